@@ -1,0 +1,113 @@
+"""Quantizing fixtures with llama.cpp's own quantizer (`llama_model_quantize`), so that quantized
+test files are exactly what llama.cpp would produce, type mixture included.
+
+`quantize_fixture(src, dst, "Q4_K")` maps a bare type to llama.cpp's ftype (K-types to their `_M`
+mixture, as real models ship: Q4_K -> LLAMA_FTYPE_MOSTLY_Q4_K_M) and returns a `QuantizeReport`
+with the type each tensor actually got. llama.cpp keeps 1-D tensors (norms, biases) in F32, may
+give token_embd / output / attn_v / ffn_down other types, and falls back to a compatible type
+for rows that are not a multiple of the block size. Pass an ftype name ("Q4_K_S", "Q3_K_L") for
+another mixture, or `pure=True` to put every quantizable tensor in the default type.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from alchemist.harness import _llama
+from alchemist.harness._llama import OracleError
+
+# bare ggml type -> llama_ftype name
+QTYPE_TO_FTYPE = {
+    "F16": "F16",
+    "BF16": "BF16",
+    "Q8_0": "Q8_0",
+    "Q4_0": "Q4_0",
+    "Q4_1": "Q4_1",
+    "Q5_0": "Q5_0",
+    "Q5_1": "Q5_1",
+    "Q2_K": "Q2_K",
+    "Q3_K": "Q3_K_M",
+    "Q4_K": "Q4_K_M",
+    "Q5_K": "Q5_K_M",
+    "Q6_K": "Q6_K",
+}
+FTYPES = (
+    "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
+)  # fmt: skip
+# the types the fixtures are exercised with
+FIXTURE_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    path: Path
+    qtype: str  # as asked
+    ftype: str  # llama.cpp ftype used, e.g. "Q4_K_M"
+    pure: bool
+    tensor_types: dict[str, str]  # tensor name -> ggml type actually written
+    seconds: float
+
+    @property
+    def type_counts(self) -> dict[str, int]:
+        return dict(Counter(self.tensor_types.values()))
+
+    def types_of(self, suffix: str) -> set[str]:
+        """Types used by tensors whose name ends with `suffix`, e.g. "attn_v.weight"."""
+        return {t for n, t in self.tensor_types.items() if n.endswith(suffix)}
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{k}×{v}" for k, v in sorted(self.type_counts.items()))
+        return f"{self.path.name}: {self.qtype} via LLAMA_FTYPE_MOSTLY_{self.ftype}{' (pure)' if self.pure else ''}: {counts}"
+
+
+def ftype_for(qtype: str) -> str:
+    q = qtype.upper()
+    if q.startswith("MOSTLY_"):
+        q = q[len("MOSTLY_") :]
+    if q in QTYPE_TO_FTYPE:
+        return QTYPE_TO_FTYPE[q]
+    if q in FTYPES:
+        return q
+    raise ValueError(
+        f"unknown quantization type {qtype!r} (choose from {', '.join(sorted(set(QTYPE_TO_FTYPE) | set(FTYPES)))})"
+    )
+
+
+def quantize_fixture(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    qtype: str,
+    *,
+    pure: bool = False,
+    nthread: int | None = None,
+) -> QuantizeReport:
+    """Quantize the F32/F16 GGUF `src` into `dst` with llama.cpp; report the types it produced."""
+    import time
+
+    from alchemist.gguf_io import read_gguf
+
+    _llama.init()
+    llc = _llama.llc
+    ftype = ftype_for(qtype)
+    src, dst = Path(src), Path(dst)
+    if not src.is_file():
+        raise OracleError(f"{src}: no such GGUF file")
+    params = llc.llama_model_quantize_default_params()
+    params.ftype = getattr(llc, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = int(nthread or os.cpu_count() or 1)
+    params.pure = bool(pure)
+    params.allow_requantize = False
+    _llama.clear_log()
+    t0 = time.perf_counter()
+    rc = llc.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    seconds = time.perf_counter() - t0
+    if rc != 0:
+        raise OracleError(f"llama_model_quantize({src.name} -> {qtype}) failed ({rc}): {_llama.recent_log()}")
+    facts = read_gguf(dst)
+    types = {name: info.ggml_type for name, info in facts.tensors.items()}
+    return QuantizeReport(path=dst, qtype=qtype, ftype=ftype, pure=bool(pure), tensor_types=types, seconds=seconds)
