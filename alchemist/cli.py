@@ -1,0 +1,182 @@
+"""The `alchemist` command line. Errors in the input are reported in one line and exit with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from alchemist.errors import AlchemistError
+
+
+def _cmd_inspect(args) -> int:
+    from alchemist.arch import build_model_ir
+    from alchemist.gguf_io import read_gguf
+
+    facts = read_gguf(args.model)
+    ir = build_model_ir(facts)
+    if args.ir:
+        print(ir.to_json())
+        return 0
+    att, mlp = ir.layers[0].attention, ir.layers[0].mlp
+    types: dict[str, int] = {}
+    for t in ir.tensors:
+        types[t.ggml_type] = types.get(t.ggml_type, 0) + 1
+    windows = sorted({lay.attention.sliding_window for lay in ir.layers})
+    lines = [
+        f"file          {facts.file_name}  ({facts.file_size / 1e6:.1f} MB, GGUF v{facts.version})",
+        f"model         {ir.model_name!r}",
+        f"architecture  {ir.architecture}",
+        f"layers        {ir.n_layer}   d_model {ir.n_embd}   ffn {mlp.n_ff} ({mlp.activation.value}, gated)",
+        f"attention     {att.n_head} query heads, {att.n_kv_head} KV heads, head size {att.head_dim}, "
+        f"scale {att.score_scale:.6g}{', q/k norm' if att.q_norm else ''}{', qkv bias' if att.qkv_bias else ''}",
+        f"rope          {ir.rope_style.value}, dims {att.rope_dim}, bases {sorted({lay.attention.rope_base for lay in ir.layers})}",
+        f"windows       {windows} (0 = global)",
+        f"vocabulary    {ir.n_vocab}   context {ir.n_ctx_train}   output {'tied to token_embd' if ir.tied_output else 'output.weight'}",
+        f"tensors       {len(ir.tensors)}: " + ", ".join(f"{k}×{v}" for k, v in sorted(types.items())),
+        f"ir sha256     {ir.ir_hash()}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def _cmd_gen(args) -> int:
+    from alchemist.arch import build_model_ir
+    from alchemist.gguf_io import read_gguf
+    from alchemist.runtime.api import write_generated
+
+    ir = build_model_ir(read_gguf(args.model))
+    target = write_generated(ir, args.output)
+    print(f"wrote {target}")
+    if not args.no_audit:
+        try:
+            from alchemist.audit import audit_module, write_reports
+        except ImportError:
+            print("audit: alchemist.audit is not available; skipped", file=sys.stderr)
+            return 0
+        report = audit_module(target, gguf_path=args.model)
+        paths = write_reports(report, args.audit_dir)
+        print(report.table())
+        print("audit reports: " + ", ".join(str(p) for p in paths))
+        if not report.passed:
+            print("audit FAILED: the generated module breaks a contract (see above)", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from alchemist import inference, load_llm
+
+    model = load_llm(args.model, backend=args.backend, context=args.context)
+    if args.tokens:
+        prompt = [int(t) for t in args.tokens.split(",")]
+    else:
+        prompt = args.prompt
+    result = inference(
+        model,
+        input=prompt,
+        max_tokens=args.max_tokens,
+        chat=args.chat,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repeat_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        stream=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+    )
+    if result.output is None:
+        print(" ".join(map(str, result.output_token_ids)))
+    else:
+        print()
+    r = result.report
+    t = r["timings"]
+    print(
+        f"\n[{r['backend']}] prompt {r['prompt_tokens']} tok, prefill {t['prefill_tok_per_s']} tok/s | "
+        f"generated {r['generated_tokens']} tok, decode {t['decode_tok_per_s']} tok/s | "
+        f"compile {t['compile_s_total']} s ({r['compilations']['total']} functions, "
+        f"{r['compilations']['during_decode']} during decode) | load {t['load_s']} s | "
+        f"peak RSS {r['memory']['peak_rss_mb']:.0f} MB | stop: {r['stop_reason']}",
+        file=sys.stderr,
+    )
+    if args.report:
+        Path(args.report).write_text(json.dumps(r, indent=2))
+    return 0
+
+
+def _cmd_fixture(args) -> int:
+    from alchemist.fixtures import write_fixture
+
+    if args.quant in ("F32", "F16"):
+        write_fixture(args.output, args.arch, weight_type=args.quant)
+    else:
+        try:
+            from alchemist.harness.quantize import quantize_fixture
+        except ImportError as e:
+            raise AlchemistError(f"quantized fixtures need llama-cpp-python (pip install 'alchemist[oracle]'): {e}")
+        tmp = Path(str(args.output) + ".f32.tmp")
+        write_fixture(tmp, args.arch, weight_type="F32")
+        try:
+            quantize_fixture(tmp, args.output, args.quant)
+        finally:
+            tmp.unlink(missing_ok=True)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="alchemist", description="GGUF language models as PyTensor code")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="summarize a GGUF file (or print its IR as JSON)")
+    p.add_argument("model")
+    p.add_argument("--ir", action="store_true", help="print the ModelIR as JSON")
+    p.set_defaults(fn=_cmd_inspect)
+
+    p = sub.add_parser("gen", help="generate the PyTensor module for a GGUF file")
+    p.add_argument("model")
+    p.add_argument("-o", "--output", default="generated", help="output directory (default: generated/)")
+    p.add_argument("--audit-dir", default="audits", help="where audit reports go (default: audits/)")
+    p.add_argument("--no-audit", action="store_true", help="skip the static audit")
+    p.set_defaults(fn=_cmd_gen)
+
+    p = sub.add_parser("run", help="generate text with the PyTensor model")
+    p.add_argument("model")
+    p.add_argument("--prompt", default="What's causal inference?")
+    p.add_argument("--tokens", help="comma-separated prompt token ids instead of --prompt")
+    p.add_argument("--backend", default="c", choices=["c", "numba", "jax", "mlx"])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--context", type=int, default=1024, help="KV cache capacity in tokens")
+    p.add_argument("--chat", action="store_true", default=None, help="wrap the prompt in the chat template")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--report", help="write the JSON report here")
+    p.set_defaults(fn=_cmd_run)
+
+    p = sub.add_parser("fixture", help="write a tiny random-weight GGUF for tests")
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "gemma3"])
+    p.add_argument("--quant", default="F32", help="F32, F16, or a llama.cpp type such as Q8_0, Q4_K")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(fn=_cmd_fixture)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except AlchemistError as e:
+        print(f"alchemist: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("alchemist: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

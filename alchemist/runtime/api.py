@@ -1,0 +1,269 @@
+"""The public API: `load_llm(path, backend=...)` and `inference(model, input=..., max_tokens=...)`."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from alchemist import __version__
+from alchemist.arch import build_model_ir
+from alchemist.codegen import module_slug, render_module
+from alchemist.errors import AlchemistError
+from alchemist.gguf_io import read_gguf
+from alchemist.ir import ModelIR
+from alchemist.runtime.backends import blas_info, require_backend
+from alchemist.runtime.sampling import Sampler, SamplingParams
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def generated_cache_dir() -> Path:
+    base = os.environ.get("ALCHEMIST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "alchemist")
+    path = Path(base) / "generated"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_generated(ir: ModelIR, out_dir: str | Path) -> Path:
+    """Render the module for `ir` into out_dir/<slug>.py, rewriting it only if its content changed."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source = render_module(ir)
+    target = out_dir / f"{module_slug(ir.source_file)}.py"
+    if not target.exists() or target.read_text() != source:
+        tmp = target.with_suffix(".py.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, target)
+    return target
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    backend: str
+    ir: ModelIR
+    module_path: Path
+    module: object
+    engine: object
+    tokenizer: object | None
+    load_seconds: float
+    weights_seconds: float
+    compile_seconds: float
+    peak_rss_mb: float
+
+    @property
+    def context(self) -> int:
+        return self.engine.capacity
+
+
+@dataclass
+class InferenceResult:
+    output: str | None
+    output_token_ids: list[int]
+    prompt_token_ids: list[int]
+    stop_reason: str
+    report: dict = field(default_factory=dict)
+
+
+def _load_tokenizer(path: str):
+    try:
+        from alchemist.tokenizer import load_tokenizer
+    except ImportError:
+        return None
+    return load_tokenizer(path)
+
+
+def load_llm(
+    path: str | os.PathLike,
+    backend: str = "c",
+    context: int = 1024,
+    generated_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    compile_now: bool = True,
+) -> LoadedModel:
+    """Generate (or reuse) the PyTensor module for a GGUF file, load its weights and compile decoding."""
+    from tqdm.auto import tqdm
+
+    from alchemist.runtime.engine import Engine, import_generated
+
+    require_backend(backend)
+    t0 = time.perf_counter()
+    path = str(path)
+    facts = read_gguf(path)
+    ir = build_model_ir(facts)
+    module_path = write_generated(ir, generated_dir or generated_cache_dir())
+    module = import_generated(module_path)
+    total = sum(t.nbytes for t in ir.tensors)
+    t_w = time.perf_counter()
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress, leave=False) as bar:
+        weights = module.load_weights(path, progress=lambda name, nbytes: bar.update(nbytes))
+    weights_seconds = time.perf_counter() - t_w
+    capacity = max(1, min(int(context), ir.n_ctx_train))
+    engine = Engine(module, weights, backend, capacity)
+    del weights
+    tokenizer = _load_tokenizer(path)
+    if compile_now:
+        engine.step_function(1)
+    load_seconds = time.perf_counter() - t0
+    return LoadedModel(
+        path=path,
+        backend=backend,
+        ir=ir,
+        module_path=module_path,
+        module=module,
+        engine=engine,
+        tokenizer=tokenizer,
+        load_seconds=load_seconds,
+        weights_seconds=weights_seconds,
+        compile_seconds=engine.stats.compile_seconds,
+        peak_rss_mb=peak_rss_mb(),
+    )
+
+
+def _prompt_ids(model: LoadedModel, input, chat: bool | None, add_special_tokens: bool) -> tuple[list[int], dict]:
+    info: dict = {}
+    if isinstance(input, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in input):
+        ids = [int(t) for t in input]
+        bad = [t for t in ids if not 0 <= t < model.ir.n_vocab]
+        if bad:
+            raise AlchemistError(f"token ids out of range [0, {model.ir.n_vocab}): {bad[:5]}")
+        return ids, info
+    tok = model.tokenizer
+    if tok is None:
+        raise AlchemistError("text input needs the tokenizer (alchemist.tokenizer); pass token ids instead")
+    if isinstance(input, (list, tuple)):  # chat messages
+        chat = True if chat is None else chat
+        messages = list(input)
+    else:
+        if not isinstance(input, str):
+            raise AlchemistError(f"input must be a string, a list of chat messages or token ids, not {type(input).__name__}")
+        messages = [{"role": "user", "content": input}]
+    if chat:
+        if not tok.has_chat_template:
+            info["chat_template"] = "none in this GGUF: messages joined as plain text"
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        info["rendered_prompt"] = text
+        return tok.encode(text, add_special_tokens=add_special_tokens), info
+    if isinstance(input, (list, tuple)):
+        text = "".join(str(m.get("content", "")) for m in messages)
+    else:
+        text = input
+    return tok.encode(text, add_special_tokens=add_special_tokens), info
+
+
+def inference(
+    model: LoadedModel,
+    input,
+    max_tokens: int = 32,
+    chat: bool | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    stream: Callable[[str], None] | None = None,
+    add_special_tokens: bool = True,
+    validate: bool = False,
+) -> InferenceResult:
+    """Generate up to max_tokens after `input` (text, chat messages, or token ids).
+
+    Returns the text, token ids and a report with timings, memory and compile counts. `stream` is
+    called with each newly decoded piece of text (never half a UTF-8 character).
+    """
+    if max_tokens < 0:
+        raise AlchemistError(f"max_tokens must be >= 0, got {max_tokens}")
+    engine = model.engine
+    sampler = Sampler(SamplingParams(temperature, top_k, top_p, repetition_penalty, seed))
+    prompt, info = _prompt_ids(model, input, chat, add_special_tokens)
+    if not prompt:
+        raise AlchemistError("the prompt is empty after tokenization")
+    if len(prompt) + max_tokens > engine.capacity:
+        raise AlchemistError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context of {engine.capacity}; "
+            f"load the model with a larger context="
+        )
+    tok = model.tokenizer
+    eos = set(getattr(tok, "eos_ids", ()) or ()) if tok is not None else set()
+    compiles_before = engine.stats.compile_count
+    compile_s_before = engine.stats.compile_seconds
+
+    t0 = time.perf_counter()
+    logits = engine.run(prompt, 0)
+    t_prefill = time.perf_counter() - t0
+    compiles_after_prefill = engine.stats.compile_count
+
+    out_ids: list[int] = []
+    text, emitted, stop_reason = "", 0, "max_tokens"
+    pos = len(prompt)
+    t1 = time.perf_counter()
+    for _ in range(max_tokens):
+        nxt = sampler(logits, prompt + out_ids)
+        if nxt in eos:
+            stop_reason = "eos"
+            break
+        out_ids.append(nxt)
+        if tok is not None:
+            text = tok.decode(out_ids)
+            hit = next((s for s in (stop or []) if s and s in text), None)
+            if hit is not None:
+                text = text[: text.index(hit)]
+                stop_reason = "stop_string"
+            safe = len(text) if hit is not None else len(text.rstrip("\ufffd"))
+            if stream is not None and safe > emitted:
+                stream(text[emitted:safe])
+                emitted = safe
+            if hit is not None:
+                break
+        if len(out_ids) == max_tokens:
+            break
+        logits = engine.run([nxt], pos)
+        pos += 1
+    t_decode = time.perf_counter() - t1
+    n_decoded = max(len(out_ids) - 1, 0)  # the first new token comes from the prefill logits
+
+    report = {
+        "backend": model.backend,
+        "blas": blas_info() if model.backend == "c" else None,
+        "alchemist": __version__,
+        "model": model.ir.model_name,
+        "architecture": model.ir.architecture,
+        "prompt_tokens": len(prompt),
+        "generated_tokens": len(out_ids),
+        "stop_reason": stop_reason,
+        "timings": {
+            "load_s": round(model.load_seconds, 3),
+            "weights_s": round(model.weights_seconds, 3),
+            "prefill_s": round(t_prefill, 4),
+            "prefill_tok_per_s": round(len(prompt) / t_prefill, 2) if t_prefill > 0 else None,
+            "decode_s": round(t_decode, 4),
+            "decode_tok_per_s": round(n_decoded / t_decode, 2) if n_decoded and t_decode > 0 else None,
+            "compile_s_this_call": round(engine.stats.compile_seconds - compile_s_before, 3),
+            "compile_s_total": round(engine.stats.compile_seconds, 3),
+        },
+        "memory": {"peak_rss_mb": round(peak_rss_mb(), 1)},
+        "compilations": {
+            "total": engine.stats.compile_count,
+            "this_call": engine.stats.compile_count - compiles_before,
+            "during_decode": engine.stats.compile_count - compiles_after_prefill,
+            "shapes": [list(s) for s in engine.stats.compiled_shapes],
+        },
+        **info,
+    }
+    result = InferenceResult(text if tok is not None else None, out_ids, prompt, stop_reason, report)
+    if validate:
+        from alchemist.harness import validate_generation
+
+        report["validation"] = validate_generation(model, prompt, out_ids)
+    return result
+
+
+__all__ = ["InferenceResult", "LoadedModel", "inference", "load_llm", "write_generated", "asdict"]

@@ -1,0 +1,75 @@
+"""PyTensor compilation modes for the four backends, configured explicitly.
+
+- "c": PyTensor's C backend run by the CVM linker (the "cvm" linker with the fast_run rewrites). Its
+  BLAS ops need `blas__ldflags`; pip-installed PyTensor finds none, so we point it at a system OpenBLAS
+  (Debian `libopenblas-dev`) when one is present. Without one, PyTensor falls back to Python
+  implementations of the BLAS ops that call numpy's own (OpenBLAS) dot: slower per op, still correct;
+  `blas_info()` reports which one is in use.
+- "numba": PyTensor's Numba backend (`NUMBA` mode; the default FAST_RUN in PyTensor 3.3).
+- "jax", "mlx": PyTensor's JAX / MLX backends.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import importlib.util
+import os
+from pathlib import Path
+
+from alchemist.errors import BackendUnavailableError
+
+BACKENDS = ("c", "numba", "jax", "mlx")
+_REQUIRED_PACKAGE = {"numba": "numba", "jax": "jax", "mlx": "mlx"}
+_OPENBLAS_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def _system_openblas() -> str | None:
+    for d in _OPENBLAS_DIRS:
+        if Path(d, "libopenblas.so").exists():
+            return f"-L{d} -lopenblas"
+    return "-lopenblas" if ctypes.util.find_library("openblas") else None
+
+
+def configure_pytensor() -> None:
+    """Set PyTensor flags before pytensor is first imported: BLAS for the C backend, float32 default."""
+    flags = os.environ.get("PYTENSOR_FLAGS", "")
+    extra = []
+    if "blas__ldflags" not in flags:
+        ldflags = _system_openblas()
+        if ldflags:
+            extra.append(f"blas__ldflags={ldflags}")
+    if "floatX" not in flags:
+        extra.append("floatX=float32")
+    if extra:
+        os.environ["PYTENSOR_FLAGS"] = ",".join(([flags] if flags else []) + extra)
+
+
+def blas_info() -> str:
+    import pytensor
+
+    ldflags = pytensor.config.blas__ldflags
+    return ldflags if ldflags else "none (numpy dot through Python fallbacks)"
+
+
+def require_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise BackendUnavailableError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    package = _REQUIRED_PACKAGE.get(name)
+    if package and importlib.util.find_spec(package) is None:
+        extra = "mlx[cpu]" if package == "mlx" else package
+        raise BackendUnavailableError(f"backend {name!r} needs the {package!r} package: pip install '{extra}'")
+
+
+def get_mode(name: str):
+    """The pytensor Mode for a backend name."""
+    require_backend(name)
+    from pytensor.compile.mode import Mode, get_mode as pytensor_mode
+
+    if name == "c":
+        return Mode(linker="cvm", optimizer="fast_run")
+    return pytensor_mode({"numba": "NUMBA", "jax": "JAX", "mlx": "MLX"}[name])
+
+
+def static_shapes(name: str) -> bool:
+    """JAX and MLX trace with static shapes: attention must read the whole cache, masked."""
+    return name in ("jax", "mlx")

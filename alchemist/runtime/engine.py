@@ -1,0 +1,153 @@
+"""The compiled model: weights as shared variables, a fixed-capacity KV cache, compiled step functions.
+
+One compiled function per (number of tokens, which logits) shape: decode (1 token) is compiled once and
+reused for every position, because the position is a runtime input and the cache is a shared buffer
+updated through `updates=` (in place on the C and Numba backends). Prefill pads the prompt to a length
+bucket so that prompts of different lengths share a compiled function.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from alchemist.errors import AlchemistError
+from alchemist.runtime.backends import configure_pytensor, get_mode, static_shapes
+
+configure_pytensor()
+
+import pytensor  # noqa: E402
+import pytensor.tensor as pt  # noqa: E402
+
+PREFILL_BUCKETS = (8, 32, 128, 512)
+
+
+def import_generated(path: str | Path) -> ModuleType:
+    """Import a generated model module from its file (it is standalone, so no package is needed)."""
+    path = Path(path)
+    name = f"alchemist_generated_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise AlchemistError(f"{path}: cannot import generated module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class StepStats:
+    compile_count: int = 0
+    compile_seconds: float = 0.0
+    compiled_shapes: list = field(default_factory=list)
+
+
+class Engine:
+    """Runs a generated module's `forward` on one backend with a persistent KV cache."""
+
+    def __init__(self, module: ModuleType, weights: dict[str, np.ndarray], backend: str, capacity: int):
+        self.module = module
+        self.backend = backend
+        self.mode = get_mode(backend)
+        self.capacity = int(capacity)
+        self.static = static_shapes(backend)
+        self.weights = {name: pytensor.shared(arr, name=name, borrow=True) for name, arr in weights.items()}
+        shape = (self.capacity, module.N_KV_HEAD, module.HEAD_DIM)
+        self.cache = [
+            (
+                pytensor.shared(np.zeros(shape, np.float32), name=f"k_cache.{il}"),
+                pytensor.shared(np.zeros(shape, np.float32), name=f"v_cache.{il}"),
+            )
+            for il in range(module.N_LAYER)
+        ]
+        self.stats = StepStats()
+        self._functions: dict[tuple[int, bool], object] = {}
+
+    # -- compilation -------------------------------------------------------------------------------
+    def _build(self, n_tokens: int, all_logits: bool, taps: dict | None = None):
+        tokens = pt.tensor("tokens", dtype="int64", shape=(n_tokens,))
+        start_pos = pt.scalar("start_pos", dtype="int64")
+        n_valid = pt.scalar("n_valid", dtype="int64")
+        rows = pt.arange(n_valid) if all_logits else (n_valid - 1)[None]
+        logits, new_cache = self.module.forward(
+            self.weights,
+            tokens,
+            start_pos,
+            self.cache,
+            attend_len=self.capacity if self.static else None,
+            output_rows=rows,
+            taps=taps,
+        )
+        updates = []
+        for (k, v), (k_new, v_new) in zip(self.cache, new_cache):
+            updates += [(k, k_new), (v, v_new)]
+        return [tokens, start_pos, n_valid], logits, updates
+
+    def step_function(self, n_tokens: int, all_logits: bool = False):
+        key = (n_tokens, all_logits)
+        fn = self._functions.get(key)
+        if fn is None:
+            t0 = time.perf_counter()
+            inputs, logits, updates = self._build(n_tokens, all_logits)
+            fn = pytensor.function(inputs, logits, updates=updates, mode=self.mode, accept_inplace=True)
+            self.stats.compile_seconds += time.perf_counter() - t0
+            self.stats.compile_count += 1
+            self.stats.compiled_shapes.append(key)
+            self._functions[key] = fn
+        return fn
+
+    def taps_function(self, n_tokens: int):
+        """A function returning every named intermediate (llama.cpp names) for a fresh sequence."""
+        taps: dict = {}
+        inputs, logits, _ = self._build(n_tokens, True, taps)
+        names = list(taps)
+        fn = pytensor.function(inputs, [taps[n] for n in names], mode=self.mode, on_unused_input="ignore")
+        return names, fn
+
+    # -- running -----------------------------------------------------------------------------------
+    def bucket(self, n: int, start: int) -> int:
+        room = self.capacity - start
+        for b in PREFILL_BUCKETS:
+            if b >= n and b <= room:
+                return b
+        fitting = [b for b in PREFILL_BUCKETS if b <= room]
+        if not fitting:
+            return min(n, room)
+        return fitting[-1]
+
+    def run(self, token_ids, start_pos: int, all_logits: bool = False) -> np.ndarray:
+        """Feed tokens at positions start_pos..; returns logits of the last token (or of all tokens)."""
+        token_ids = [int(t) for t in token_ids]
+        if start_pos + len(token_ids) > self.capacity:
+            raise AlchemistError(
+                f"context overflow: {start_pos + len(token_ids)} positions needed, KV cache holds {self.capacity} "
+                f"(pass a larger context= to load_llm)"
+            )
+        if not token_ids:
+            raise AlchemistError("run() needs at least one token")
+        if len(token_ids) == 1:
+            out = self.step_function(1, all_logits)(np.array(token_ids, np.int64), np.int64(start_pos), np.int64(1))
+            return np.asarray(out)
+        outs = []
+        pos, rest = start_pos, token_ids
+        while rest:
+            b = self.bucket(len(rest), pos)
+            chunk, rest = rest[:b], rest[b:]
+            padded = np.zeros(b, np.int64)
+            padded[: len(chunk)] = chunk
+            out = self.step_function(b, all_logits)(padded, np.int64(pos), np.int64(len(chunk)))
+            outs.append(np.asarray(out))
+            pos += len(chunk)
+        return np.concatenate(outs, axis=0) if all_logits else outs[-1]
+
+    def reset(self) -> None:
+        """Forget the sequence (the cache is overwritten position by position, so zeroing is optional)."""
+        for k, v in self.cache:
+            k.set_value(np.zeros_like(k.get_value(borrow=True)), borrow=True)
+            v.set_value(np.zeros_like(v.get_value(borrow=True)), borrow=True)
