@@ -46,6 +46,10 @@ class Hparams:
         v = int(v)
         if v < minimum:
             raise GGUFError(self.facts.path, full, f"must be >= {minimum}, got {v}")
+        if key == "block_count" and v > len(self.facts.tensors):
+            # Every block has tensors; refusing a larger count keeps per-layer lists from being sized by it.
+            n_tensors = len(self.facts.tensors)
+            raise GGUFError(self.facts.path, full, f"{v} blocks, but the file has only {n_tensors} tensors")
         return v
 
     def float(self, key: str, default=REQUIRED, positive: bool = False) -> float:

@@ -4,6 +4,16 @@
 trusts the sizes it reads. This reader walks the header once, keeps string arrays as offsets that are
 decoded only when asked for, and checks every count, length, type, shape and offset against the file
 before using it. Any inconsistency is a `GGUFError` naming the field and byte offset.
+
+The file is untrusted input. For any byte sequence `read_gguf` either returns facts that are true of
+the file or raises `GGUFError`: every loop is bounded by bytes actually present, nothing is allocated
+in proportion to a size the file merely claims, and every tensor's bytes are checked to lie inside the
+data section before `tensor_bytes` can hand them out. The layout rules are llama.cpp's (ggml/src/gguf.cpp):
+tensor data is stored back to back in header order, each tensor padded to `general.alignment` (a uint32).
+
+String arrays (the vocabulary) are decoded lazily, but their UTF-8 is validated at read time with one
+vectorised pass, so a bad byte anywhere in the header fails `read_gguf` itself, deterministically,
+rather than whichever later caller first touches the token list.
 """
 
 from __future__ import annotations
@@ -12,7 +22,9 @@ import hashlib
 import math
 import mmap
 import os
+import stat
 import struct
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,6 +40,13 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ELEMENTS = 1 << 40  # no real tensor is anywhere near this; anything larger is a lie
 MAX_KEY_LENGTH = 1 << 16
+MAX_TENSOR_NAME = 63  # GGML_MAX_NAME is 64 bytes including the terminating NUL
+# Smallest possible encodings, used to refuse absurd counts before looping over them:
+# a metadata entry is a key length (8) + value type (4) + a 1-byte value; a tensor info is a name length (8)
+# + n_dims (4) + one dimension (8) + type (4) + offset (8).
+MIN_KV_BYTES = 8 + 4 + 1
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
+HEADER_BYTES = 24  # magic, version, tensor_count, kv_count
 
 # GGUF value type codes (gguf-py/gguf/constants.py GGUFValueType)
 _SCALAR_FORMATS: dict[int, tuple[str, str]] = {
@@ -56,6 +75,7 @@ _NUMPY_DTYPES = {
     11: np.int64,
     12: np.float64,
 }
+TYPE_BOOL = 7
 TYPE_STRING = 8
 TYPE_ARRAY = 9
 
@@ -69,7 +89,10 @@ def type_name(code: int) -> str:
 
 
 class StringArray:
-    """A GGUF array of strings, decoded on first access (a vocabulary is 100k-300k strings)."""
+    """A GGUF array of strings, decoded on first access (a vocabulary is 100k-300k strings).
+
+    `read_gguf` has already checked that every string is valid UTF-8, so decoding cannot fail for an
+    array it returned; the check below only guards arrays built some other way."""
 
     def __init__(self, facts_path: str, key: str, buf: memoryview, starts: np.ndarray, lengths: np.ndarray):
         self._path = facts_path
@@ -219,9 +242,14 @@ class _Cursor:
 
 
 def _read_value(cur: _Cursor, key: str, vtype: int, facts_path: str):
+    if vtype == TYPE_BOOL:  # one byte, 0 or 1 (struct's "?" would read any non-zero byte as True)
+        at = cur.pos
+        v = cur.scalar("<B", key)
+        if v > 1:
+            cur.fail(key, f"bool value must be 0 or 1, got {v}", at)
+        return bool(v)
     if vtype in _SCALAR_FORMATS:
-        v = cur.scalar(_SCALAR_FORMATS[vtype][1], key)
-        return v
+        return cur.scalar(_SCALAR_FORMATS[vtype][1], key)
     if vtype == TYPE_STRING:
         return cur.string(key)
     if vtype == TYPE_ARRAY:
@@ -229,35 +257,80 @@ def _read_value(cur: _Cursor, key: str, vtype: int, facts_path: str):
         count_at = cur.pos
         count = cur.u64(f"{key} (array length)")
         if item_type in _SCALAR_FORMATS:
-            itemsize = struct.calcsize(_SCALAR_FORMATS[item_type][1])
-            if count * itemsize > cur.size - cur.pos:
-                cur.fail(key, f"array of {count} {type_name(item_type)} does not fit in the file", count_at)
-            arr = np.frombuffer(cur.buf, dtype=_NUMPY_DTYPES[item_type], count=count, offset=cur.pos).copy()
-            cur.pos += count * itemsize
-            return arr
+            return _read_scalar_array(cur, key, item_type, count, count_at)
         if item_type == TYPE_STRING:
-            if count * 8 > cur.size - cur.pos:
-                cur.fail(key, f"array of {count} strings does not fit in the file", count_at)
-            starts = np.empty(count, dtype=np.int64)
-            lengths = np.empty(count, dtype=np.int64)
-            buf, pos, size = cur.buf, cur.pos, cur.size
-            unpack = struct.Struct("<Q").unpack_from
-            for i in range(count):
-                if pos + 8 > size:
-                    cur.fail(f"{key}[{i}] (length)", "file ends inside a string array", pos)
-                (n,) = unpack(buf, pos)
-                pos += 8
-                if n > size - pos:
-                    cur.fail(f"{key}[{i}]", f"string length {n} runs past the end of the file", pos - 8)
-                starts[i] = pos
-                lengths[i] = n
-                pos += n
-            cur.pos = pos
-            return StringArray(facts_path, key, buf, starts, lengths)
+            return _read_string_array(cur, key, count, count_at, facts_path)
         if item_type == TYPE_ARRAY:
-            cur.fail(key, "nested arrays are not supported", count_at)
+            cur.fail(key, "nested arrays are not supported", count_at - 4)
         cur.fail(key, f"unknown array item type {item_type}", count_at - 4)
     cur.fail(key, f"unknown value type {vtype}", cur.pos - 4)
+
+
+def _read_scalar_array(cur: _Cursor, key: str, item_type: int, count: int, count_at: int) -> np.ndarray:
+    itemsize = struct.calcsize(_SCALAR_FORMATS[item_type][1])
+    if count * itemsize > cur.size - cur.pos:
+        cur.fail(key, f"array of {count} {type_name(item_type)} does not fit in the file", count_at)
+    raw = np.frombuffer(cur.buf, dtype=np.uint8, count=count * itemsize, offset=cur.pos)
+    if item_type == TYPE_BOOL and count and int(raw.max()) > 1:
+        bad = int(np.argmax(raw > 1))
+        cur.fail(f"{key}[{bad}]", f"bool value must be 0 or 1, got {int(raw[bad])}", cur.pos + bad)
+    arr = raw.view(_NUMPY_DTYPES[item_type]).copy()
+    cur.pos += count * itemsize
+    return arr
+
+
+def _read_string_array(cur: _Cursor, key: str, count: int, count_at: int, facts_path: str) -> "StringArray":
+    if count * 8 > cur.size - cur.pos:
+        cur.fail(key, f"array of {count} strings does not fit in the file", count_at)
+    # Grown as strings are found (each takes >= 8 real bytes), never preallocated from the claimed count.
+    starts, lengths = array("q"), array("q")
+    buf, pos, size, region_start = cur.buf, cur.pos, cur.size, cur.pos
+    unpack = struct.Struct("<Q").unpack_from
+    for i in range(count):
+        if pos + 8 > size:
+            cur.fail(f"{key}[{i}] (length)", "file ends inside a string array", pos)
+        (n,) = unpack(buf, pos)
+        pos += 8
+        if n > size - pos:
+            cur.fail(f"{key}[{i}]", f"string length {n} runs past the end of the file", pos - 8)
+        starts.append(pos)
+        lengths.append(n)
+        pos += n
+    cur.pos = pos
+    starts_np = np.frombuffer(starts, dtype=np.int64) if count else np.zeros(0, np.int64)
+    lengths_np = np.frombuffer(lengths, dtype=np.int64) if count else np.zeros(0, np.int64)
+    _check_utf8(cur, key, region_start, pos, starts_np, lengths_np)
+    return StringArray(facts_path, key, buf, starts_np, lengths_np)
+
+
+def _check_utf8(cur: _Cursor, key: str, region_start: int, region_end: int, starts: np.ndarray, lengths: np.ndarray):
+    """Validate every string of an array at once: their concatenation must be UTF-8 and each must start
+    on a character boundary (not a continuation byte 0x80-0xBF); then each string is UTF-8 on its own."""
+    if not len(starts):
+        return
+    region = np.frombuffer(cur.buf, dtype=np.uint8, count=region_end - region_start, offset=region_start)
+    rel_starts = starts - region_start
+    edges = np.zeros(len(region) + 1, dtype=np.int8)
+    edges[rel_starts] += 1  # starts are distinct, and so are ends; a string's end is never another's start
+    edges[rel_starts + lengths] -= 1
+    text = region[np.cumsum(edges[:-1], dtype=np.int8) > 0]
+    if not len(text) or int(text.max()) < 0x80:
+        return  # pure ASCII
+    first = region[rel_starts[lengths > 0]]
+    ok = not np.any((first & 0xC0) == 0x80)
+    if ok:
+        try:
+            str(text.tobytes(), "utf-8")
+        except UnicodeDecodeError:
+            ok = False
+    if ok:
+        return
+    for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist())):  # error path only: name the string
+        try:
+            str(cur.buf[s : s + n], "utf-8")
+        except UnicodeDecodeError:
+            cur.fail(f"{key}[{i}]", "string is not valid UTF-8", s - 8)
+    raise AssertionError("unreachable: concatenation invalid but every string valid")  # pragma: no cover
 
 
 def _tensor_nbytes(path: str, name: str, type_code: int, ne: tuple[int, ...], at: int) -> tuple[str, int]:
@@ -265,6 +338,8 @@ def _tensor_nbytes(path: str, name: str, type_code: int, ne: tuple[int, ...], at
         qtype = GGMLQuantizationType(type_code)
     except ValueError:
         raise GGUFError(path, f"tensor {name!r} type", f"unknown ggml type code {type_code}", at) from None
+    if qtype not in GGML_QUANT_SIZES:
+        raise GGUFError(path, f"tensor {name!r} type", f"ggml type {qtype.name} has no known block size", at)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if ne[0] % block_size:
         raise GGUFError(
@@ -276,25 +351,45 @@ def _tensor_nbytes(path: str, name: str, type_code: int, ne: tuple[int, ...], at
     return qtype.name, math.prod(ne) // block_size * type_size
 
 
-def read_gguf(path: str | os.PathLike) -> GGUFFacts:
-    """Open, memory-map and validate a GGUF file's header and tensor inventory."""
-    path = str(path)
+def _padded(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def read_gguf(path: str | os.PathLike, *, max_elements: int = MAX_ELEMENTS) -> GGUFFacts:
+    """Open, memory-map and validate a GGUF file's header and tensor inventory.
+
+    `max_elements` caps the element count of any one tensor (and each of its dimensions): a file claiming
+    more is refused while its tensor info is read, before anything is sized from it.
+    """
+    path = os.fsdecode(os.fspath(path))
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise GGUFError(path, "file", f"cannot open: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise GGUFError(path, "file", "not a regular file")  # a FIFO would block open(); a device has no size
     try:
         f = open(path, "rb")
     except OSError as e:
         raise GGUFError(path, "file", f"cannot open: {e.strerror}") from None
     with f:
         size = os.fstat(f.fileno()).st_size
-        if size < 24:
+        if size < HEADER_BYTES:
             raise GGUFError(path, "header", f"file is {size} bytes, too small to be GGUF", 0)
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise GGUFError(path, "file", f"cannot memory-map: {e}") from None
+    return _parse(path, mm, max_elements)
+
+
+def _parse(path: str, mm: mmap.mmap, max_elements: int) -> GGUFFacts:
+    size = len(mm)
     buf = memoryview(mm)
     cur = _Cursor(path, buf)
-
-    cur.need(4, "magic")
     magic = bytes(buf[0:4])
     if magic != GGUF_MAGIC:
-        cur.fail("magic", f"expected b'GGUF', found {magic!r}: not a GGUF file")
+        cur.fail("magic", f"expected b'GGUF', found {magic!r}: not a GGUF file", 0)
     cur.pos = 4
     version = cur.u32("version")
     if version not in SUPPORTED_VERSIONS:
@@ -302,32 +397,44 @@ def read_gguf(path: str | os.PathLike) -> GGUFFacts:
         cur.fail("version", f"unsupported GGUF version {version}{hint}", 4)
     n_tensors = cur.u64("tensor_count")
     n_kv = cur.u64("kv_count")
-    # Each metadata entry takes at least 8 (key length) + 1 + 4 (type) + 1 bytes, each tensor info 8+1+4+8+4+8.
-    if n_kv * 14 > size:
+    if n_kv * MIN_KV_BYTES > size - HEADER_BYTES:
         cur.fail("kv_count", f"{n_kv} metadata entries cannot fit in a {size}-byte file", 16)
-    if n_tensors * 33 > size:
+    if n_tensors * MIN_TENSOR_INFO_BYTES > size - HEADER_BYTES:
         cur.fail("tensor_count", f"{n_tensors} tensors cannot fit in a {size}-byte file", 8)
 
     metadata: dict[str, Any] = {}
     metadata_types: dict[str, str] = {}
+    metadata_at: dict[str, int] = {}
     for i in range(n_kv):
         key_at = cur.pos
         key = cur.string(f"metadata key #{i}", max_len=MAX_KEY_LENGTH)
+        if not key:
+            cur.fail(f"metadata key #{i}", "is empty", key_at)
         if key in metadata:
             cur.fail(f"metadata key {key!r}", "appears twice", key_at)
         vtype = cur.u32(f"{key} (value type)")
+        metadata_at[key] = cur.pos
         metadata[key] = _read_value(cur, key, vtype, path)
-        metadata_types[key] = type_name(vtype) if vtype in _SCALAR_FORMATS or vtype in (8, 9) else "?"
+        metadata_types[key] = type_name(vtype)
 
-    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
-        raise GGUFError(path, "general.alignment", f"must be a positive power of two, got {alignment!r}")
+    alignment = DEFAULT_ALIGNMENT
+    if "general.alignment" in metadata:
+        alignment = metadata["general.alignment"]
+        at = metadata_at["general.alignment"]
+        if metadata_types["general.alignment"] != "uint32":
+            cur.fail("general.alignment", f"must be a uint32, got a {metadata_types['general.alignment']}", at)
+        if alignment == 0 or alignment & (alignment - 1):
+            cur.fail("general.alignment", f"must be a positive power of two, got {alignment}", at)
 
     infos: list[tuple[TensorInfo, int]] = []
     names: set[str] = set()
     for i in range(n_tensors):
         at = cur.pos
         name = cur.string(f"tensor #{i} name", max_len=MAX_KEY_LENGTH)
+        if not name:
+            cur.fail(f"tensor #{i} name", "is empty", at)
+        if len(name.encode("utf-8")) > MAX_TENSOR_NAME:
+            cur.fail(f"tensor #{i} name", f"{name[:80]!r} is longer than {MAX_TENSOR_NAME} bytes (ggml's limit)", at)
         if name in names:
             cur.fail(f"tensor {name!r}", "name appears twice", at)
         names.add(name)
@@ -337,32 +444,44 @@ def read_gguf(path: str | os.PathLike) -> GGUFFacts:
         ne = tuple(cur.u64(f"tensor {name!r} dim {d}") for d in range(n_dims))
         if any(d == 0 for d in ne):
             cur.fail(f"tensor {name!r} shape", f"zero-sized dimension in {list(ne)}", at)
-        if any(d > MAX_ELEMENTS for d in ne) or math.prod(ne) > MAX_ELEMENTS:
-            cur.fail(f"tensor {name!r} shape", f"{list(ne)} has more than 2^40 elements", at)
+        if any(d > max_elements for d in ne) or math.prod(ne) > max_elements:
+            cur.fail(f"tensor {name!r} shape", f"{list(ne)} has more than the limit of {max_elements} elements", at)
+        type_at = cur.pos
         type_code = cur.u32(f"tensor {name!r} type")
+        offset_at = cur.pos
         offset = cur.u64(f"tensor {name!r} offset")
         if offset % alignment:
-            cur.fail(f"tensor {name!r} offset", f"{offset} is not aligned to {alignment}", cur.pos - 8)
-        qname, nbytes = _tensor_nbytes(path, name, type_code, ne, at)
-        infos.append((TensorInfo(name, qname, ne, offset, nbytes), at))
+            cur.fail(f"tensor {name!r} offset", f"{offset} is not aligned to {alignment}", offset_at)
+        qname, nbytes = _tensor_nbytes(path, name, type_code, ne, type_at)
+        if offset + nbytes > size:
+            cur.fail(
+                f"tensor {name!r} data", f"{nbytes} bytes at data offset {offset} cannot fit in a {size}-byte file", at
+            )
+        infos.append((TensorInfo(name, qname, ne, offset, nbytes), offset_at))
 
-    data_offset = (cur.pos + alignment - 1) // alignment * alignment
-    if data_offset > size:
-        raise GGUFError(path, "data section", f"starts at {data_offset}, past the end of the file ({size})")
-    data_size = size - data_offset
-    prev_end, prev_name = 0, None
-    for info, at in sorted(infos, key=lambda t: t[0].offset):
+    data_offset = _padded(cur.pos, alignment)
+    if infos and data_offset > size:  # with no tensors the (empty) data section may lie past the end
+        cur.fail("data section", f"starts at {data_offset}, past the end of the file ({size})", cur.pos)
+    data_size = max(0, size - data_offset)
+    # llama.cpp's layout: tensor i starts where tensor i-1 ends, rounded up to the alignment. This also
+    # rules out overlaps and gaps, so a type whose byte size disagrees with the next offset is caught.
+    expected = 0
+    for info, offset_at in infos:
+        if info.offset != expected:
+            cur.fail(
+                f"tensor {info.name!r} offset",
+                f"is {info.offset}, expected {expected}: each tensor's data must start where the previous "
+                f"tensor's ends, rounded up to the alignment {alignment} (the first starts at 0)",
+                offset_at,
+            )
         if info.offset + info.nbytes > data_size:
-            raise GGUFError(
-                path,
+            cur.fail(
                 f"tensor {info.name!r} data",
                 f"bytes {info.offset}..{info.offset + info.nbytes} of the data section run past its end "
                 f"({data_size} bytes; file truncated?)",
-                at,
+                offset_at,
             )
-        if info.offset < prev_end:
-            raise GGUFError(path, f"tensor {info.name!r} data", f"overlaps tensor {prev_name!r}", at)
-        prev_end, prev_name = info.offset + info.nbytes, info.name
+        expected = _padded(info.offset + info.nbytes, alignment)
 
     tensors = {info.name: info for info, _ in infos}
     return GGUFFacts(path, size, version, alignment, data_offset, metadata, metadata_types, tensors, _buffer=mm)
