@@ -369,7 +369,6 @@ def test_not_a_regular_file(tmp_path):
         read_gguf(tmp_path / "missing.gguf")
 
 
-@pytest.mark.xfail(reason="alchemist/arch/gemma3.py _score_scale divides by n_embd // n_head, 0 when n_head > n_embd")
 def test_gemma3_62_layers_with_more_heads_than_width(tmp_path):
     from alchemist.fixtures import FixtureConfig, write_fixture
 

@@ -111,6 +111,9 @@ def build_ir(facts: GGUFFacts, profile: FamilyProfile) -> ModelIR:
     n_layer = hp.int("block_count", minimum=1)
     n_ctx = hp.int("context_length", minimum=1)
     n_head = hp.int("attention.head_count", minimum=1)
+    if n_head > n_embd:
+        raise GGUFError(facts.path, f"{profile.name}.attention.head_count",
+                        f"{n_head} heads for an embedding of only {n_embd}")
     n_kv_head = hp.int("attention.head_count_kv", default=n_head, minimum=1)
     if n_head % n_kv_head:
         raise GGUFError(facts.path, f"{profile.name}.attention.head_count_kv",
