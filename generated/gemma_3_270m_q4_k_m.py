@@ -373,17 +373,17 @@ def rope(x, angles):
     return pt.concatenate([rotated, x[:, :, ROPE_DIM:]], axis=-1)
 
 
-def causal_attention(q, keys, values, q_positions, window: int):
+def causal_attention(q, keys, values, q_positions, key_positions, window: int):
     """Grouped-query causal attention; query head h reads KV head h // GROUP_SIZE.
 
-    q: (T, N_HEAD, HEAD_DIM); keys, values: (S, N_KV_HEAD, HEAD_DIM) for cache positions 0..S-1.
+    q: (T, N_HEAD, HEAD_DIM) at q_positions (T,); keys, values: (S, N_KV_HEAD, HEAD_DIM) at key_positions (S,).
     A key at position p is visible to a query at position t when p <= t (and t - p < window if window).
     """
     n_tokens = q.type.shape[0]
     q = q.reshape((n_tokens, N_KV_HEAD, GROUP_SIZE, HEAD_DIM)).dimshuffle(1, 2, 0, 3)
     q = q.reshape((N_KV_HEAD, GROUP_SIZE * n_tokens, HEAD_DIM))  # row g * T + t
     scores = pt.matmul(q, keys.dimshuffle(1, 2, 0)) * np.float32(SCORE_SCALE)  # (N_KV_HEAD, G*T, S)
-    key_pos = pt.arange(keys.shape[0])[None, :]
+    key_pos = key_positions[None, :]
     query_pos = pt.tile(q_positions, GROUP_SIZE)[:, None]
     visible = key_pos <= query_pos
     if window:
@@ -395,7 +395,7 @@ def causal_attention(q, keys, values, q_positions, window: int):
     return out.reshape((n_tokens, N_HEAD * HEAD_DIM))
 
 
-def attention_block(w, il: int, x, positions, start_pos, k_cache, v_cache, attend_len, taps):
+def attention_block(w, il: int, x, positions, key_positions, k_cache, v_cache, taps):
     """Self-attention of layer il; writes this step's keys/values into the cache at `positions`."""
     p = f"blk.{il}."
     n_tokens = x.type.shape[0]
@@ -417,7 +417,8 @@ def attention_block(w, il: int, x, positions, start_pos, k_cache, v_cache, atten
     tap(taps, "Vcur", il, v)
     k_cache = pt.set_subtensor(k_cache[positions], k)
     v_cache = pt.set_subtensor(v_cache[positions], v)
-    out = causal_attention(q, k_cache[:attend_len], v_cache[:attend_len], positions, SLIDING_WINDOW[il])
+    n_keys = key_positions.shape[0]
+    out = causal_attention(q, k_cache[:n_keys], v_cache[:n_keys], positions, key_positions, SLIDING_WINDOW[il])
     tap(taps, "kqv_out", il, out)
     return linear(out, w[p + "attn_output.weight"]), k_cache, v_cache
 
@@ -449,6 +450,7 @@ def forward(w, tokens, start_pos, kv_cache, attend_len=None, output_rows=None, t
     positions = start_pos + pt.arange(n_tokens, dtype="int64")
     if attend_len is None:
         attend_len = start_pos + n_tokens
+    key_positions = pt.arange(attend_len, dtype="int64")  # cache rows attention reads
     x = w["token_embd.weight"][tokens]
     x = x * np.float32(EMBED_SCALE)
     new_cache = []
@@ -456,7 +458,7 @@ def forward(w, tokens, start_pos, kv_cache, attend_len=None, output_rows=None, t
         p = f"blk.{il}."
         h = rms_norm(x, w[p + "attn_norm.weight"])
         tap(taps, "attn_norm", il, h)
-        h, k_cache, v_cache = attention_block(w, il, h, positions, start_pos, *kv_cache[il], attend_len, taps)
+        h, k_cache, v_cache = attention_block(w, il, h, positions, key_positions, *kv_cache[il], taps)
         new_cache.append((k_cache, v_cache))
         h = rms_norm(h, w[p + "post_attention_norm.weight"])
         tap(taps, "attn_post_norm", il, h)

@@ -74,7 +74,11 @@ class Engine:
         tokens = pt.tensor("tokens", dtype="int64", shape=(n_tokens,))
         start_pos = pt.scalar("start_pos", dtype="int64")
         n_valid = pt.scalar("n_valid", dtype="int64")
-        rows = pt.arange(n_valid) if all_logits else (n_valid - 1)[None]
+        if all_logits:
+            # static-shape backends cannot build arange(n_valid): return every row, sliced in run()
+            rows = None if self.static else pt.arange(n_valid)
+        else:
+            rows = (n_valid - 1)[None]
         logits, new_cache = self.module.forward(
             self.weights,
             tokens,
@@ -95,7 +99,9 @@ class Engine:
         if fn is None:
             t0 = time.perf_counter()
             inputs, logits, updates = self._build(n_tokens, all_logits)
-            fn = pytensor.function(inputs, logits, updates=updates, mode=self.mode, accept_inplace=True)
+            fn = pytensor.function(
+                inputs, logits, updates=updates, mode=self.mode, accept_inplace=True, on_unused_input="ignore"
+            )
             self.stats.compile_seconds += time.perf_counter() - t0
             self.stats.compile_count += 1
             self.stats.compiled_shapes.append(key)
@@ -142,7 +148,7 @@ class Engine:
             padded = np.zeros(b, np.int64)
             padded[: len(chunk)] = chunk
             out = self.step_function(b, all_logits)(padded, np.int64(pos), np.int64(len(chunk)))
-            outs.append(np.asarray(out))
+            outs.append(np.asarray(out)[: len(chunk)] if all_logits else np.asarray(out))
             pos += len(chunk)
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
 

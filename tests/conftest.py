@@ -1,0 +1,64 @@
+"""Shared session-scoped fixtures: tiny random-weight GGUFs per family, their generated modules, and
+the two real reference models (assembled once from the `models` extra)."""
+
+from __future__ import annotations
+
+import pytest
+
+from alchemist.fixtures import FAMILIES, write_fixture
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_dir):
+    """tiny_gguf(arch, weight_type="F32") -> path of a cached random-weight fixture."""
+    cache = {}
+
+    def make(arch: str, weight_type: str = "F32"):
+        key = (arch, weight_type)
+        if key not in cache:
+            cache[key] = write_fixture(tiny_dir / f"{arch}-{weight_type}.gguf", arch, weight_type=weight_type)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_module(tiny_gguf, tiny_dir):
+    """tiny_module(arch) -> (imported generated module, gguf path)."""
+    from alchemist.arch import build_model_ir
+    from alchemist.gguf_io import read_gguf
+    from alchemist.runtime.api import write_generated
+    from alchemist.runtime.engine import import_generated
+
+    cache = {}
+
+    def make(arch: str, weight_type: str = "F32"):
+        key = (arch, weight_type)
+        if key not in cache:
+            path = tiny_gguf(arch, weight_type)
+            out = tiny_dir / f"gen-{arch}-{weight_type}"
+            module_path = write_generated(build_model_ir(read_gguf(path)), out)
+            cache[key] = (import_generated(module_path), path)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def reference_models():
+    from alchemist.models import reference_model_path
+
+    return {
+        "gemma-3-270m": reference_model_path("gemma-3-270m"),
+        "qwen2.5-coder-0.5b": reference_model_path("qwen2.5-coder-0.5b"),
+    }
+
+
+@pytest.fixture(scope="session")
+def all_families():
+    return FAMILIES
