@@ -125,24 +125,27 @@ def _cmd_fixture(args) -> int:
     return 0
 
 
+MODEL_HELP = "a GGUF file, or a reference model name: gemma-3-270m, qwen2.5-coder-0.5b"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alchemist", description="GGUF language models as PyTensor code")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="summarize a GGUF file (or print its IR as JSON)")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--ir", action="store_true", help="print the ModelIR as JSON")
     p.set_defaults(fn=_cmd_inspect)
 
     p = sub.add_parser("gen", help="generate the PyTensor module for a GGUF file")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("-o", "--output", default="generated", help="output directory (default: generated/)")
     p.add_argument("--audit-dir", default="audits", help="where audit reports go (default: audits/)")
     p.add_argument("--no-audit", action="store_true", help="skip the static audit")
     p.set_defaults(fn=_cmd_gen)
 
     p = sub.add_parser("run", help="generate text with the PyTensor model")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--prompt", default="What's causal inference?")
     p.add_argument("--tokens", help="comma-separated prompt token ids instead of --prompt")
     p.add_argument("--backend", default="c", choices=["c", "numba", "jax", "mlx"])
@@ -169,10 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "model", None) is not None:
+            from alchemist.models import resolve_model
+
+            args.model = resolve_model(args.model)
         return args.fn(args)
     except AlchemistError as e:
         print(f"alchemist: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `alchemist inspect ... | head`
+        return 0
     except KeyboardInterrupt:
         print("alchemist: interrupted", file=sys.stderr)
         return 130

@@ -32,6 +32,7 @@ class FixtureConfig:
     sliding_window: int = 8  # gemma3 only: small, so short tests cross the window
     swa_pattern: int = 2  # gemma3 only: layer 0 local, layer 1 global
     tied_output: bool | None = None  # default: gemma3 and llama tied, qwen untied
+    final_logit_softcap: float = 0.0  # gemma3 only: <arch>.final_logit_softcapping when > 0
     seed: int = 0
 
 
@@ -106,6 +107,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     if arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
         w.add_uint32(f"{arch}.attention.sliding_window_pattern", cfg.swa_pattern)
+        if cfg.final_logit_softcap:
+            w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcap)
     if arch == "llama":
         w.add_rope_dimension_count(cfg.head_dim)
 

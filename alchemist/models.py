@@ -52,3 +52,10 @@ def reference_model_path(name: str) -> Path:
                         out.write(chunk)
     os.replace(tmp, target)
     return target
+
+
+def resolve_model(arg: str | os.PathLike) -> str:
+    """A CLI model argument: an existing file path, or the name of a reference model."""
+    if Path(arg).exists() or str(arg) not in REFERENCE_MODELS:
+        return str(arg)
+    return str(reference_model_path(str(arg)))
