@@ -41,7 +41,19 @@ def corpus() -> list[str]:
     """The hand-written strings of tests/data/tokenizer_corpus.json plus seeded mixtures of them."""
     base = json.loads((DATA / "tokenizer_corpus.json").read_text(encoding="utf-8"))
     rng = random.Random(1234)
-    seps = ["", " ", "\n", "  ", "\t", "\n\n", ". ", "<|im_start|>", "<start_of_turn>", "<end_of_turn>\n", "<|im_end|>\n"]
+    seps = [
+        "",
+        " ",
+        "\n",
+        "  ",
+        "\t",
+        "\n\n",
+        ". ",
+        "<|im_start|>",
+        "<start_of_turn>",
+        "<end_of_turn>\n",
+        "<|im_end|>\n",
+    ]
     mixed = [rng.choice(seps).join(rng.choice(base) for _ in range(rng.randint(2, 4))) for _ in range(150)]
     return base + mixed
 
@@ -228,8 +240,10 @@ def test_reference_model_facts(gemma, qwen):
 def test_build_time(gemma, qwen):
     """The 262k-token gemma vocabulary builds in a couple of seconds (measured by the session fixture)."""
     seconds = BUILD_SECONDS.get("gemma-3-270m-q4_k_m.gguf", gemma.build_info.seconds)
-    print(f"\ntokenizer build: gemma {seconds:.2f} s ({gemma.build_info.n_merges} merges), "
-          f"qwen {BUILD_SECONDS.get('qwen2.5-coder-0.5b-instruct-q4_k_m.gguf', qwen.build_info.seconds):.2f} s")
+    print(
+        f"\ntokenizer build: gemma {seconds:.2f} s ({gemma.build_info.n_merges} merges), "
+        f"qwen {BUILD_SECONDS.get('qwen2.5-coder-0.5b-instruct-q4_k_m.gguf', qwen.build_info.seconds):.2f} s"
+    )
     assert seconds < 8.0  # ~1.5 s on an idle core; generous for loaded CI machines
 
 
@@ -257,7 +271,9 @@ def _assigned_text(max_size=40):
     return st.lists(st.one_of(st.text(ok, max_size=8), pieces), max_size=max_size // 4).map("".join)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=_assigned_text())
 def test_random_text_matches_llama_cpp(model, text):
     tok, oracle = model
@@ -266,7 +282,7 @@ def test_random_text_matches_llama_cpp(model, text):
 
 # ----------------------------------------------------------------------------- streaming
 def test_stream_decoder_never_emits_half_a_character(gemma):
-    text = "a\U0001D54F\U0001F9FF𐍈z"  # rare characters fall back to <0xXX> byte tokens
+    text = "a\U0001d54f\U0001f9ff𐍈z"  # rare characters fall back to <0xXX> byte tokens
     ids = gemma.encode(text, add_special_tokens=False)
     byte_ids = [i for i in ids if gemma.vocab.attrs[i] & 32]
     assert len(byte_ids) >= 4, "expected byte-fallback tokens"
@@ -282,17 +298,17 @@ def test_stream_decoder_never_emits_half_a_character(gemma):
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=_assigned_text(), cuts=st.lists(st.integers(0, 60), max_size=6))
-def test_stream_decoder_equals_decode(model, text, cuts):
+@given(text=_assigned_text(), cuts=st.lists(st.integers(0, 60), max_size=6), skip=st.booleans())
+def test_stream_decoder_equals_decode(model, text, cuts, skip):
     tok, _ = model
     ids = tok.encode(text)
-    dec = tok.stream_decoder()
+    dec = tok.stream_decoder(skip_special_tokens=skip)
     out, start = [], 0
     for cut in sorted(set(cuts)) + [len(ids)]:
         out.append(dec.feed(ids[start:cut]))
         start = max(start, cut)
     out.append(dec.flush())
-    assert "".join(out) == tok.decode(ids)
+    assert "".join(out) == tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_stream_decoder_incomplete_tail(qwen):
@@ -338,7 +354,11 @@ def test_qwen_chat_with_tools_matches_llama_cpp_jinja(qwen):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
     msgs = QWEN_CHATS[0] + [
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}],
+        },
         {"role": "tool", "content": "sunny"},
     ]
     fmt = Jinja2ChatFormatter(qwen.chat_template, eos_token="<|im_end|>", bos_token="<|endoftext|>")
@@ -402,7 +422,8 @@ MALICIOUS = {
     "squaring": "{% set ns = namespace(x=10**100) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
     "ljust": "{{ 'x'.ljust(10**10) }}",
     "center filter": "{{ 'x' | center(10**10) }}",
-    "replace doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s|replace('a', 'aa') %}{% endfor %}",
+    "replace doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}"
+    "{% set ns.s = ns.s|replace('a', 'aa') %}{% endfor %}",
     "percent width": "{{ '%999999999d' % 1 }}",
     "format width": "{{ '{:{w}}'.format(1, w=999999999) }}",
     "join flood": "{{ range(100000) | join('x' * 1000) }}",
@@ -551,6 +572,34 @@ def test_regex_table_is_llama_cpp_source():
     parsed = _parse_cpp_regexes(cpp.read_text(encoding="utf-8"))
     for pre_type, regexes in LLAMA_CPP_REGEXES.items():
         assert list(regexes) == parsed[pre_type], pre_type
+
+
+def test_pre_names_and_flags_are_llama_cpp_source():
+    """tokenizer.ggml.pre -> (pre type, ignore_merges, clean_spaces, add_bos, null BOS), as llama_vocab::load has it."""
+    cpp = LLAMA_CPP_SRC / "src" / "llama-vocab.cpp"
+    if not cpp.exists():
+        pytest.skip("llama.cpp source not available")
+    from alchemist.tokenizer.pretokenizers import SUPPORTED_PRE, pre_tokenizer_for
+
+    src = cpp.read_text(encoding="utf-8")
+    a = src.index("if (tokenizer_pre.empty())")
+    chain = src[a : src.index("} else if (type == LLAMA_VOCAB_TYPE_SPM)", a)]
+    seen = set()
+    for block in chain.split("} else if (")[1:]:
+        names = re.findall(r'tokenizer_pre == "([^"]+)"', block)
+        pre_type = re.search(r"pre_type = LLAMA_VOCAB_PRE_TYPE_(\w+)", block).group(1).lower()
+        for name in names:
+            pre = pre_tokenizer_for(name)
+            if pre is None:
+                assert name not in SUPPORTED_PRE
+                continue
+            seen.add(name)
+            assert pre.pre_type == pre_type, name
+            assert pre.ignore_merges == ("ignore_merges = true" in block), name
+            assert pre.clean_spaces == ("clean_spaces = false" not in block), name
+            assert (pre.add_bos is True) == ("add_bos = true" in block), name
+            assert pre.bos_is_null == ("special_bos_id = LLAMA_TOKEN_NULL" in block), name
+    assert seen == set(SUPPORTED_PRE)
 
 
 def test_every_supported_pre_type_compiles():

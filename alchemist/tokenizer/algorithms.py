@@ -145,8 +145,9 @@ def spm_tokenize(text: str, token_to_id: dict[str, int], scores, byte_token) -> 
     return out
 
 
-def bpe_tokenize_word(word: str, ranks: dict[tuple[str, str], int], token_to_id: dict[str, int],
-                      ignore_merges: bool = False) -> list[int]:
+def bpe_tokenize_word(
+    word: str, ranks: dict[tuple[str, str], int], token_to_id: dict[str, int], ignore_merges: bool = False
+) -> list[int]:
     """Port of the per-word merge loop of llama.cpp `llm_tokenizer_bpe_session::tokenize` for one
     pre-tokenized, byte-encoded word."""  # fmt: skip
     if ignore_merges and word in token_to_id:

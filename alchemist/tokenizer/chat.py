@@ -162,7 +162,9 @@ def _environment_class():
                     if name == "expandtabs" and isinstance(width, int) and owner.count("\t") * width > MAX_STRING_CHARS:
                         raise _too_big("str.expandtabs", owner.count("\t") * width)
                 elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
-                    grow = owner.count(args[0]) * (len(args[1]) - len(args[0])) if args[0] else len(owner) * len(args[1])
+                    grow = (
+                        owner.count(args[0]) * (len(args[1]) - len(args[0])) if args[0] else len(owner) * len(args[1])
+                    )
                     if len(owner) + grow > MAX_STRING_CHARS:
                         raise _too_big("str.replace", len(owner) + grow)
                 elif name == "join" and args:
@@ -241,12 +243,18 @@ def _make_env():
 
     env.filters["center"] = _checked_filter(env, "center", lambda s, width=80: _int(width))
     env.filters["indent"] = _checked_filter(
-        env, "indent", lambda s, width=4, *a, **k: len(str(s)) + (str(s).count("\n") + 1) * (_int(width) if not isinstance(width, str) else len(width))
+        env,
+        "indent",
+        lambda s, width=4, *a, **k: len(str(s))
+        + (str(s).count("\n") + 1) * (_int(width) if not isinstance(width, str) else len(width)),
     )
-    env.filters["replace"] = _checked_filter(
-        env, "replace",
-        lambda ctx, s, old, new, count=None: len(str(s)) + max(0, str(s).count(str(old)) if old else len(str(s))) * len(str(new)),
-    )  # fmt: skip
+
+    def _replace_size(ctx, s, old, new, count=None) -> int:
+        s, old, new = str(s), str(old), str(new)
+        hits = s.count(old) if old else len(s) + 1
+        return len(s) + hits * len(new)
+
+    env.filters["replace"] = _checked_filter(env, "replace", _replace_size)
     env.filters["wordwrap"] = _checked_filter(env, "wordwrap", lambda ctx, s, width=79, *a, **k: 2 * len(str(s)))
 
     def _format_size(value, *args, **kwargs) -> int:
@@ -358,7 +366,9 @@ def _content_text(content: Any) -> str:
 
 def _check_messages(messages) -> list[dict[str, Any]]:
     if not isinstance(messages, (list, tuple)):
-        raise ChatTemplateError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}")
+        raise ChatTemplateError(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}"
+        )
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ChatTemplateError(f"messages[{i}] must be a dict with a 'role' (and usually 'content'), got {m!r}")

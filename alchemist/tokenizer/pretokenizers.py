@@ -47,7 +47,17 @@ _PRE_NAMES: dict[str, tuple[str, dict]] = {
     "minicpm5": ("minicpm5", {"ignore_merges": True}),
     **{
         n: ("llama3", {"ignore_merges": True, "add_bos": True})
-        for n in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano")
+        for n in (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+        )
     },
     "deepseek-llm": ("deepseek_llm", _NO_CLEAN),
     "deepseek-coder": ("deepseek_coder", _NO_CLEAN),
@@ -59,8 +69,22 @@ _PRE_NAMES: dict[str, tuple[str, dict]] = {
     "starcoder": ("starcoder", {}),
     **{
         n: ("gpt2", {})
-        for n in ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
-                  "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4")
+        for n in (
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "jina-v1-en",
+            "jina-v2-code",
+            "roberta-bpe",
+            "exaone4",
+        )
     },
     "jais-2": ("jais2", {}),
     "refact": ("refact", {}),

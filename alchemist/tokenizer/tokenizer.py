@@ -49,7 +49,7 @@ _ATTR_SPECIAL = ATTR_UNKNOWN | ATTR_CONTROL
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map (llama.cpp unicode_byte_to_utf8)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
