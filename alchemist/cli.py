@@ -125,6 +125,53 @@ def _cmd_fixture(args) -> int:
     return 0
 
 
+def _prompt_ids(args) -> list[int]:
+    if getattr(args, "tokens", None):
+        return [int(t) for t in args.tokens.split(",")]
+    from alchemist.harness.validate import prompt_ids_for
+
+    return prompt_ids_for(args.model, args.prompt)
+
+
+def _cmd_validate(args) -> int:
+    from alchemist.codegen import module_slug
+    from alchemist.harness.validate import validate_model, write_validation
+    from alchemist.runtime.backends import BACKENDS
+
+    backends = list(BACKENDS) if args.backend == "all" else args.backend.split(",")
+    report = validate_model(args.model, backends, prompt=_prompt_ids(args), n_generate=args.generate,
+                            context=args.context)
+    paths = write_validation(report, args.output, module_slug(Path(args.model).name))
+    print(f"validation {'PASSED' if report['passed'] else 'FAILED'}; reports: " + ", ".join(map(str, paths)))
+    return 0 if report["passed"] else 1
+
+
+def _cmd_diff(args) -> int:
+    from alchemist.harness.validate import diff_model
+
+    result = diff_model(args.model, args.backend, _prompt_ids(args), tol=args.tol)
+    print(f"{'tensor':28} {'NMSE vs llama.cpp':>18}")
+    for name, value in result["rows"]:
+        mark = "  <-- first divergence" if name == result["first_divergence"] else ""
+        print(f"{name:28} {value:18.3e}{mark}")
+    if result["first_divergence"]:
+        print(f"first divergent tensor: {result['first_divergence']} (tolerance {result['tolerance']:.1e})")
+        return 1
+    print(f"no tensor exceeds NMSE {result['tolerance']:.1e}")
+    return 0
+
+
+def _cmd_tokenize(args) -> int:
+    from alchemist.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.model)
+    ids = tok.encode(args.text, add_special_tokens=not args.no_special)
+    for i in ids:
+        print(f"{i:>8}  {tok.decode([i])!r}")
+    print(f"{len(ids)} tokens: {ids}")
+    return 0
+
+
 MODEL_HELP = "a GGUF file, or a reference model name: gemma-3-270m, qwen2.5-coder-0.5b"
 
 
@@ -166,6 +213,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="F32", help="F32, F16, or a llama.cpp type such as Q8_0, Q4_K")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(fn=_cmd_fixture)
+
+    p = sub.add_parser("validate", help="check the generated model against llama.cpp (JSON + markdown report)")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--backend", default="all", help="all, or a comma-separated list of c,numba,jax,mlx")
+    p.add_argument("--prompt", default=None, help="prompt text (default: a fixed sentence)")
+    p.add_argument("--tokens", help="comma-separated prompt token ids instead of --prompt")
+    p.add_argument("--generate", type=int, default=32, help="greedy tokens to check (fresh-prefix decisions)")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("-o", "--output", default="validation", help="report directory (default: validation/)")
+    p.set_defaults(fn=_cmd_validate)
+
+    p = sub.add_parser("diff", help="layer-by-layer comparison with llama.cpp; names the first divergent op")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--backend", default="c", choices=["c", "numba", "jax", "mlx"])
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--tokens", help="comma-separated prompt token ids instead of --prompt")
+    p.add_argument("--tol", type=float, default=None, help="NMSE tolerance (default 1e-6 exact weights, 1e-2 quantized)")
+    p.set_defaults(fn=_cmd_diff)
+
+    p = sub.add_parser("tokenize", help="print token ids and pieces for a text")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("text")
+    p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
+    p.set_defaults(fn=_cmd_tokenize)
+
+    try:
+        from alchemist.audit.cli import register as register_audit
+    except ImportError:
+        pass
+    else:
+        register_audit(sub)
     return parser
 
 

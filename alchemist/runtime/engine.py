@@ -68,6 +68,28 @@ class Engine:
         ]
         self.stats = StepStats()
         self._functions: dict[tuple[int, bool], object] = {}
+        if backend in ("jax", "mlx"):
+            self._place_on_device()
+
+    def _place_on_device(self) -> None:
+        """Put weights and cache into the framework's own arrays once.
+
+        The JAX and MLX linkers hand a shared variable's storage to the compiled function as is, so a numpy
+        value would be converted on every call (measured: 138 ms per 2048x8192 matvec on JAX vs 9 ms).
+        Storing device arrays in the containers makes every call zero-copy; updated caches come back as
+        device arrays too.
+        """
+        if self.backend == "jax":
+            import jax
+
+            to_device = jax.device_put
+        else:
+            import mlx.core as mx
+
+            to_device = mx.array
+        shared = list(self.weights.values()) + [sv for pair in self.cache for sv in pair]
+        for sv in shared:
+            sv.container.storage[0] = to_device(sv.container.storage[0])
 
     # -- compilation -------------------------------------------------------------------------------
     def _build(self, n_tokens: int, all_logits: bool, taps: dict | None = None):
@@ -153,7 +175,11 @@ class Engine:
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
 
     def reset(self) -> None:
-        """Forget the sequence (the cache is overwritten position by position, so zeroing is optional)."""
+        """Forget the sequence. Not needed for correctness (every position is written before it is read),
+        but it keeps stale values out of debugging views of the cache."""
+        shape = (self.capacity, self.module.N_KV_HEAD, self.module.HEAD_DIM)
         for k, v in self.cache:
-            k.set_value(np.zeros_like(k.get_value(borrow=True)), borrow=True)
-            v.set_value(np.zeros_like(v.get_value(borrow=True)), borrow=True)
+            k.set_value(np.zeros(shape, np.float32), borrow=True)
+            v.set_value(np.zeros(shape, np.float32), borrow=True)
+        if self.backend in ("jax", "mlx"):
+            self._place_on_device()

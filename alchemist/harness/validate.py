@@ -1,0 +1,234 @@
+"""`alchemist validate` and `alchemist diff`: our generated model against llama.cpp, with fixed thresholds.
+
+Validation runs, per backend: all-position prompt logits vs the oracle; greedy generation in which every
+one of our prefixes is re-scored by the oracle ("fresh-prefix decisions"); for exact-weight files (all
+matrices F32/F16) the NMSE of every layer output. The thresholds below are the bar; they are not
+parameters to loosen.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from alchemist.harness.metrics import compare_logits, first_divergence, greedy_agreement, nmse
+
+THRESHOLDS = {
+    "near_tie": 1e-3,  # oracle top-2 gap below which a top-1 disagreement is a reported near-tie
+    "exact_nmse": 1e-6,  # F32/F16 weights: logits and every layer output
+    "mean_kl": 0.02,  # quantized weights: mean KL(oracle || ours) in nats
+    "mean_pearson": 0.999,  # quantized weights: mean Pearson correlation of the logits
+    "greedy_min_agree": 31 / 32,  # fraction of fresh-prefix greedy decisions that must agree
+}
+EXACT_TYPES = {"F32", "F16"}
+DEFAULT_PROMPT = "What's causal inference? Causal inference is the study of how"
+
+
+def is_exact(ir) -> bool:
+    """True when every weight matrix is F32/F16: llama.cpp then multiplies without quantizing activations."""
+    return all(t.ggml_type in EXACT_TYPES for t in ir.tensors)
+
+
+@dataclass
+class LoadedForValidation:
+    path: str
+    ir: object
+    module: object
+    weights: dict
+
+
+def load_for_validation(path: str, generated_dir=None) -> LoadedForValidation:
+    from alchemist.arch import build_model_ir
+    from alchemist.gguf_io import read_gguf
+    from alchemist.runtime.api import generated_cache_dir, write_generated
+    from alchemist.runtime.engine import import_generated
+
+    ir = build_model_ir(read_gguf(path))
+    module = import_generated(write_generated(ir, generated_dir or generated_cache_dir()))
+    return LoadedForValidation(str(path), ir, module, module.load_weights(str(path)))
+
+
+def _greedy(engine, prompt: list[int], n: int) -> list[int]:
+    engine.reset()
+    logits = engine.run(prompt, 0)
+    out = [int(np.argmax(logits))]
+    for i in range(n - 1):
+        logits = engine.run([out[-1]], len(prompt) + i)
+        out.append(int(np.argmax(logits)))
+    return out
+
+
+def layer_nmse(engine, oracle, prompt: list[int]) -> dict:
+    """NMSE of every named intermediate we compute against llama.cpp's tensor of the same name."""
+    names, fn = engine.taps_function(len(prompt))
+    ours = dict(zip(names, (np.asarray(v) for v in fn(np.array(prompt, np.int64), np.int64(0), np.int64(len(prompt))))))
+    order = [n for n in oracle.layer_order() if n in ours]
+    theirs = oracle.intermediates(prompt, order)
+    report = first_divergence(ours, theirs, order, tol=THRESHOLDS["exact_nmse"])
+    per_tensor = {n: float(nmse(ours[n], theirs[n])) for n in order if n in theirs}
+    return {"order": order, "nmse": per_tensor, "first_divergence": report.name, "divergent_nmse": report.nmse}
+
+
+def validate_backend(loaded: LoadedForValidation, backend: str, oracle, prompt: list[int], n_generate: int,
+                     context: int) -> dict:
+    from alchemist.runtime.engine import Engine
+
+    exact = is_exact(loaded.ir)
+    t0 = time.perf_counter()
+    engine = Engine(loaded.module, loaded.weights, backend, context)
+    ours = engine.run(prompt, 0, all_logits=True)
+    ref = oracle.logits(prompt)
+    metrics = compare_logits(ours, ref, near_tie=THRESHOLDS["near_tie"])
+    failures = []
+    if metrics.decisive_disagreements:
+        failures.append(f"prompt top-1 differs at positions {metrics.decisive_disagreements} (not near-ties)")
+    logits_nmse = float(nmse(ours, ref))
+    if exact and logits_nmse > THRESHOLDS["exact_nmse"]:
+        failures.append(f"logits NMSE {logits_nmse:.3g} > {THRESHOLDS['exact_nmse']}")
+    if not exact:
+        if metrics.mean_kl > THRESHOLDS["mean_kl"]:
+            failures.append(f"mean KL {metrics.mean_kl:.4g} > {THRESHOLDS['mean_kl']}")
+        if metrics.mean_pearson < THRESHOLDS["mean_pearson"]:
+            failures.append(f"mean Pearson {metrics.mean_pearson:.5f} < {THRESHOLDS['mean_pearson']}")
+    result = {
+        "backend": backend,
+        "exact_weights": exact,
+        "prompt_tokens": len(prompt),
+        "prompt": {**metrics.summary(), "logits_nmse": logits_nmse},
+    }
+    if n_generate:
+        generated = _greedy(engine, prompt, n_generate)  # compiles prefill and decode
+        compiles_before = engine.stats.compile_count
+        if _greedy(engine, prompt, n_generate) != generated:
+            failures.append("greedy generation is not deterministic across two runs")
+        agreement = greedy_agreement(generated, oracle.rescore(prompt, generated), near_tie=THRESHOLDS["near_tie"])
+        need = int(np.ceil(THRESHOLDS["greedy_min_agree"] * n_generate))
+        if agreement.n_agree < need:
+            failures.append(f"greedy: {agreement.n_agree}/{agreement.n_steps} fresh-prefix decisions agree (< {need})")
+        result["greedy"] = {
+            "token_ids": generated,
+            "n_agree": agreement.n_agree,
+            "n_steps": agreement.n_steps,
+            "first_divergence": str(agreement) if not agreement.all_agree else None,
+            "recompiles_second_run": engine.stats.compile_count - compiles_before,
+        }
+    if exact:
+        layers = layer_nmse(engine, oracle, prompt)
+        worst = max(layers["nmse"].values()) if layers["nmse"] else 0.0
+        if layers["first_divergence"]:
+            failures.append(f"layer outputs: first divergence at {layers['first_divergence']} "
+                            f"(NMSE {layers['divergent_nmse']:.3g})")
+        result["layers"] = {"n_compared": len(layers["nmse"]), "max_nmse": worst,
+                            "first_divergence": layers["first_divergence"]}
+    result["compile_count"] = engine.stats.compile_count
+    result["compile_s"] = round(engine.stats.compile_seconds, 2)
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    result["failures"] = failures
+    result["passed"] = not failures
+    return result
+
+
+def prompt_ids_for(path: str, text: str | None) -> list[int]:
+    from alchemist.tokenizer import load_tokenizer
+
+    return load_tokenizer(path).encode(text or DEFAULT_PROMPT)
+
+
+def validate_model(path: str, backends: list[str], prompt: list[int] | None = None, n_generate: int = 32,
+                   context: int = 256, n_threads: int | None = None, progress=print) -> dict:
+    from alchemist.harness.oracle import LlamaCppOracle
+
+    loaded = load_for_validation(path)
+    prompt = prompt if prompt is not None else prompt_ids_for(path, None)
+    context = max(context, len(prompt) + n_generate + 1)
+    report = {
+        "model": loaded.ir.model_name,
+        "source_file": loaded.ir.source_file,
+        "source_sha256": loaded.ir.source_sha256,
+        "architecture": loaded.ir.architecture,
+        "weight_types": sorted({t.ggml_type for t in loaded.ir.tensors}),
+        "thresholds": THRESHOLDS,
+        "prompt_token_ids": prompt,
+        "backends": {},
+    }
+    with LlamaCppOracle(path, n_ctx=context, n_threads=n_threads) as oracle:
+        for backend in backends:
+            res = validate_backend(loaded, backend, oracle, prompt, n_generate, context)
+            report["backends"][backend] = res
+            if progress:
+                progress(f"{backend}: {'PASS' if res['passed'] else 'FAIL'} " + "; ".join(res["failures"]))
+    report["passed"] = all(r["passed"] for r in report["backends"].values())
+    return report
+
+
+def validate_generation(model, prompt: list[int], out_ids: list[int]) -> dict:
+    """inference(..., validate=True): re-score our prompt and continuation with llama.cpp."""
+    from alchemist.harness.oracle import LlamaCppOracle
+
+    with LlamaCppOracle(model.path, n_ctx=max(64, len(prompt) + len(out_ids) + 1)) as oracle:
+        ours = model.engine.run(prompt, 0, all_logits=True) if prompt else None
+        metrics = compare_logits(ours, oracle.logits(prompt), near_tie=THRESHOLDS["near_tie"]).summary()
+        agreement = greedy_agreement(out_ids, oracle.rescore(prompt, out_ids)) if out_ids else None
+    return {
+        "prompt": metrics,
+        "greedy_agree": agreement.n_agree if agreement else None,
+        "greedy_steps": agreement.n_steps if agreement else 0,
+        "note": "greedy agreement is meaningful for temperature 0 only",
+    }
+
+
+def to_markdown(report: dict) -> str:
+    lines = [
+        f"# Validation: {report['source_file']}",
+        "",
+        f"- model: {report['model']!r} ({report['architecture']}), weights: {', '.join(report['weight_types'])}",
+        f"- sha256: `{report['source_sha256']}`",
+        f"- prompt: {len(report['prompt_token_ids'])} tokens; thresholds: "
+        + ", ".join(f"{k} {v:.4g}" for k, v in report["thresholds"].items()),
+        f"- result: **{'PASS' if report['passed'] else 'FAIL'}**",
+        "",
+        "| backend | top-1 (decisive) | near-ties | mean KL | mean Pearson | logits NMSE | greedy agree | layers max NMSE | compiles | s | result |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for b, r in report["backends"].items():
+        p, g, lay = r["prompt"], r.get("greedy"), r.get("layers")
+        lines.append(
+            f"| {b} | {p['top1_agree_decisive']}/{p['n_decisive']} | {p['n_near_ties']} | {p['mean_kl']:.2e} | "
+            f"{p['mean_pearson']:.6f} | {p['logits_nmse']:.2e} | "
+            f"{(str(g['n_agree']) + '/' + str(g['n_steps'])) if g else '-'} | "
+            f"{('%.2e' % lay['max_nmse']) if lay else '-'} | {r['compile_count']} | {r['seconds']} | "
+            f"{'PASS' if r['passed'] else 'FAIL: ' + '; '.join(r['failures'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_validation(report: dict, out_dir: str | Path, stem: str) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    js.write_text(json.dumps(report, indent=2, default=float) + "\n")
+    md.write_text(to_markdown(report))
+    return [js, md]
+
+
+def diff_model(path: str, backend: str, prompt: list[int], tol: float | None = None, context: int = 256) -> dict:
+    """Layer-by-layer comparison with llama.cpp; names the first tensor whose NMSE exceeds tol."""
+    from alchemist.harness.oracle import LlamaCppOracle
+    from alchemist.runtime.engine import Engine
+
+    loaded = load_for_validation(path)
+    exact = is_exact(loaded.ir)
+    tol = tol if tol is not None else (THRESHOLDS["exact_nmse"] if exact else 1e-2)
+    engine = Engine(loaded.module, loaded.weights, backend, max(context, len(prompt) + 1))
+    names, fn = engine.taps_function(len(prompt))
+    ours = dict(zip(names, (np.asarray(v) for v in fn(np.array(prompt, np.int64), np.int64(0), np.int64(len(prompt))))))
+    with LlamaCppOracle(path, n_ctx=max(context, len(prompt) + 1)) as oracle:
+        order = [n for n in oracle.layer_order() if n in ours]
+        theirs = oracle.intermediates(prompt, order)
+    rows = [(n, float(nmse(ours[n], theirs[n]))) for n in order if n in theirs]
+    first = next((n for n, v in rows if v > tol), None)
+    return {"backend": backend, "tolerance": tol, "exact_weights": exact, "rows": rows, "first_divergence": first}
