@@ -349,6 +349,7 @@ def test_qwen_chat_prompt_matches_llama_cpp_jinja(qwen, qwen_oracle, messages):
 
 
 def test_qwen_chat_with_tools_matches_llama_cpp_jinja(qwen):
+    _llama_cpp()
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
@@ -525,7 +526,12 @@ def test_llama_cpp_vocab_test_files(name, vocab_dir):
         import llama_cpp  # noqa: F401
     except ImportError:
         return
-    assert not _mismatches(tok, Oracle(path), cases + CORPUS[:60])
+    oracle = Oracle(path)
+    assert not _mismatches(tok, oracle, cases + CORPUS[:60])
+    # decoding, including llama.cpp's clean_spaces passes (" ," " 's" " ' ") for gpt-2 style vocabularies
+    for ids in expected + [oracle.tokenize(t) for t in CORPUS]:
+        assert tok.decode_bytes(ids) == oracle.detokenize(ids)
+        assert tok.decode_bytes(ids, True) == oracle.detokenize(ids, True, False)
 
 
 def test_vocab_files_cover_the_required_pre_types(vocab_dir):
