@@ -482,6 +482,57 @@ def test_fixture_spm_defaults(tmp_path):
     assert tok.decode(ids[1:]) == "the"  # ... is removed again by decoding
 
 
+def _write_vocab_gguf(path, arch, model, tokens, types, *, merges=None, scores=None, pre, bos, eos, add_bos):
+    """A vocabulary-only GGUF (hyperparameters but no tensors) that llama.cpp loads with vocab_only=True."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(64)
+    w.add_head_count(1)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if scores is not None:
+        w.add_token_scores(scores)
+    if merges is not None:
+        w.add_token_merges(merges)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(add_bos)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_slow_paths_match_llama_cpp(tmp_path):
+    """The corners a merge table cannot express go through the Python ports of llama.cpp's loops."""
+    from alchemist.tokenizer.tokenizer import BYTE_TO_UNICODE
+
+    # BPE: "ab c" merges into "abc", which is not a token, so llama.cpp falls back to single bytes
+    toks = [BYTE_TO_UNICODE[b] for b in range(256)] + ["ab", "<|endoftext|>"]
+    bpe = _write_vocab_gguf(tmp_path / "bpe.gguf", "qwen2", "gpt2", toks, [1] * 257 + [3], merges=["a b", "ab c", "x y"],
+                            pre="qwen2", bos=257, eos=257, add_bos=False)  # fmt: skip
+    # SPM: "é" is no token, but "▁é" and "éa" are, and llama.cpp merges characters, not tokens
+    stoks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁", "a", "b", "▁é", "▁a", "éa"]
+    scores = [0.0] * 259 + [-1.0, -2.0, -3.0, -0.5, -0.7, -0.1]
+    spm = _write_vocab_gguf(tmp_path / "spm.gguf", "llama", "llama", stoks, [2, 3, 3] + [6] * 256 + [1] * 6,
+                            scores=scores, pre="default", bos=1, eos=2, add_bos=True)  # fmt: skip
+    texts = ["abc", "ab abc xy", "abcabc", "xyz", "é", "éa", "a é", "ééa", "b", "é<s>é", ""]
+    for path in (bpe, spm):
+        tok = load_tokenizer(path)
+        assert not _mismatches(tok, Oracle(path), texts)
+    assert not load_tokenizer(bpe).build_info.exact_fast_path
+
+
 # ----------------------------------------------------------------------------- llama.cpp vocab test files
 def _vocab_files():
     names = sorted(p.name[: -len(".gguf.xz")] for p in VOCAB_DIR.glob("ggml-vocab-*.gguf.xz"))
