@@ -708,8 +708,10 @@ def test_metadata_problems_name_the_field():
         read_vocab(_md(**{"tokenizer.ggml.pre": "klingon"}), "x.gguf")
     with pytest.raises(UnsupportedModelError, match="tokenizer model 'bert'"):
         read_vocab(_md(**{"tokenizer.ggml.model": "bert"}), "x.gguf")
-    with pytest.raises(GGUFError, match="add_bos_token is set but there is no such token"):
-        read_vocab(_md(**{"tokenizer.ggml.add_bos_token": True}), "x.gguf")  # BPE default BOS 11 is out of range
+    tok = Tokenizer(read_vocab(_md(**{"tokenizer.ggml.add_bos_token": True}), "x.gguf"))  # default BOS 11: no
+    assert tok.bos_id is None and tok.encode("ab", add_special_tokens=False) == [2]
+    with pytest.raises(GGUFError, match="bos_token_id: tokenizer.ggml.add_bos_token asks for this token"):
+        tok.encode("ab")
 
 
 def test_decode_rejects_bad_ids(qwen):

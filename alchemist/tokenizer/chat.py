@@ -197,7 +197,8 @@ def _check_percent_format(fmt: str, args) -> None:
 def _check_str_format(fmt: str, args, kwargs) -> None:
     specs = _FORMAT_SPEC.findall(fmt)
     _check_widths((int(d) for spec in specs for d in re.findall(r"\d+", spec)), "str.format width")
-    _check_widths((v for v in list(args) + list(kwargs.values()) if _is_int(v)), "str.format width")
+    if re.search(r":[^{}]*\{", fmt):  # a nested field sets the width: '{:{w}}'.format(x, w=...)
+        _check_widths((v for v in list(args) + list(kwargs.values()) if _is_int(v)), "str.format width")
 
 
 def _check_join(sep: str, items: list) -> None:

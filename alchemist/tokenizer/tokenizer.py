@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from alchemist.errors import AlchemistError
+from alchemist.errors import AlchemistError, GGUFError
 from alchemist.tokenizer.algorithms import bpe_tokenize_word, spm_merges, spm_tokenize
 from alchemist.tokenizer.vocab import (
     ATTR_BYTE,
@@ -244,7 +244,7 @@ class Tokenizer:
         out: list[int] = []
         fragments = self._partition(text, parse_special) if text else []
         if add_special_tokens and v.add_bos:
-            out.append(v.bos_id)
+            out.append(self._required("bos_id", "add_bos"))
         if v.kind == "spm":
             prev_special = True
             for frag in fragments:
@@ -263,8 +263,17 @@ class Tokenizer:
                 else:
                     out.extend(self._bpe_fragment(frag))
         if add_special_tokens and v.add_eos:
-            out.append(v.eos_id)
+            out.append(self._required("eos_id", "add_eos"))
         return out
+
+    def _required(self, attr: str, flag: str) -> int:
+        tid = getattr(self.vocab, attr)
+        if tid is None:  # llama.cpp: GGML_ASSERT(special_bos_id != LLAMA_TOKEN_NULL)
+            key = "tokenizer.ggml." + attr.replace("_id", "_token_id")
+            raise GGUFError(
+                self.path, key, f"tokenizer.ggml.{flag}_token asks for this token but the vocabulary has none"
+            )
+        return tid
 
     def encode_batch(self, texts: Iterable[str], add_special_tokens: bool = True, parse_special: bool = True):
         return [self.encode(t, add_special_tokens, parse_special) for t in texts]

@@ -254,7 +254,9 @@ def read_vocab(metadata: dict[str, Any], path: str = "<metadata>") -> Vocab:
         seen_pairs: set[tuple[str, str]] = set()
         for word in mv.to_list():
             pos = word.find(" ", 1)
-            pair = (word[:pos], word[pos + 1 :]) if pos >= 0 else ("", "")
+            if pos < 0:  # llama.cpp stores ("", ""), a pair no two symbols can ever form
+                continue
+            pair = (word[:pos], word[pos + 1 :])
             if pair not in seen_pairs:  # std::unordered_map::emplace keeps the first rank
                 seen_pairs.add(pair)
                 merges.append(pair)
@@ -289,9 +291,6 @@ def read_vocab(metadata: dict[str, Any], path: str = "<metadata>") -> Vocab:
 
     _detect_specials(v, md)
     _special_cache(v)
-    for attr, flag in (("bos_id", "add_bos"), ("eos_id", "add_eos")):
-        if getattr(v, flag) and getattr(v, attr) is None:
-            raise _err(path, K + attr.replace("_id", "_token_id"), f"{K}{flag}_token is set but there is no such token")
     if not pre and kind == "bpe":
         warnings.warn(f"{path}: {K}pre is missing; using llama.cpp's 'default' pre-tokenizer", stacklevel=2)
     return v
