@@ -580,7 +580,7 @@ def test_llama_cpp_vocab_test_files(name, vocab_dir):
     oracle = Oracle(path)
     assert not _mismatches(tok, oracle, cases + CORPUS[:60])
     # decoding, including llama.cpp's clean_spaces passes (" ," " 's" " ' ") for gpt-2 style vocabularies
-    for ids in expected + [oracle.tokenize(t) for t in CORPUS]:
+    for ids in expected + [oracle.tokenize(t) for t in CORPUS[::3]]:
         assert tok.decode_bytes(ids) == oracle.detokenize(ids)
         assert tok.decode_bytes(ids, True) == oracle.detokenize(ids, True, False)
 
