@@ -148,10 +148,15 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     def bias(n: int) -> np.ndarray:
         return (0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", (rng.standard_normal((cfg.n_vocab, d)) * (0.05 if arch == "gemma3" else 1.0)).astype(wdtype))
+    embd = rng.standard_normal((cfg.n_vocab, d)) * (0.05 if arch == "gemma3" else 1.0)
+    w.add_tensor("token_embd.weight", embd.astype(wdtype))
     w.add_tensor("output_norm.weight", norm(d))
     if not tied:
-        w.add_tensor("output.weight", mat(cfg.n_vocab, d))
+        # Random output rows give flat logits whose top-2 gaps are as small as llama.cpp's activation-
+        # quantization noise. Like a tied model, start from the embedding (the residual stream carries
+        # it, so predictions are decisive) and perturb it, so the untied path is still its own tensor.
+        out = embd / np.sqrt(d) * 4.0 + 0.5 * rng.standard_normal((cfg.n_vocab, d)) / np.sqrt(d)
+        w.add_tensor("output.weight", out.astype(wdtype))
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
         w.add_tensor(p + "attn_norm.weight", norm(d))

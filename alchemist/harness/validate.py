@@ -74,12 +74,17 @@ def layer_nmse(engine, oracle, prompt: list[int]) -> dict:
 
 
 def validate_backend(loaded: LoadedForValidation, backend: str, oracle, prompt: list[int], n_generate: int,
-                     context: int) -> dict:
+                     context: int, engine=None) -> dict:
+    """Validate one backend. Pass `engine` to reuse its compiled functions: its weights are replaced by
+    `loaded.weights`, which must have the same shapes (e.g. the same fixture at another quant type)."""
     from alchemist.runtime.engine import Engine
 
     exact = is_exact(loaded.ir)
     t0 = time.perf_counter()
-    engine = Engine(loaded.module, loaded.weights, backend, context)
+    if engine is None:
+        engine = Engine(loaded.module, loaded.weights, backend, context)
+    else:
+        engine.set_weights(loaded.weights)
     ours = engine.run(prompt, 0, all_logits=True)
     ref = oracle.logits(prompt)
     metrics = compare_logits(ours, ref, near_tie=THRESHOLDS["near_tie"])

@@ -91,6 +91,17 @@ class Engine:
         for sv in shared:
             sv.container.storage[0] = to_device(sv.container.storage[0])
 
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Swap in new weights of identical names and shapes without recompiling anything."""
+        if set(weights) != set(self.weights):
+            raise AlchemistError("set_weights: tensor names differ from the compiled model's")
+        for name, arr in weights.items():
+            old = self.weights[name].get_value(borrow=True)
+            if tuple(old.shape) != tuple(arr.shape):
+                raise AlchemistError(f"set_weights: {name} has shape {arr.shape}, compiled for {tuple(old.shape)}")
+            self.weights[name].set_value(arr, borrow=True)
+        self.reset()
+
     # -- compilation -------------------------------------------------------------------------------
     def _build(self, n_tokens: int, all_logits: bool, taps: dict | None = None):
         tokens = pt.tensor("tokens", dtype="int64", shape=(n_tokens,))
