@@ -249,3 +249,21 @@ def test_sampler_behaviour():
     assert Sampler(SamplingParams(repetition_penalty=1.5))(logits, [1]) == 2
     with pytest.raises(ValueError):
         SamplingParams(top_p=0.0)
+
+
+def test_text_in_text_out_with_streaming(tiny_gguf, oracle_factory, tmp_path):
+    from alchemist import inference, load_llm
+
+    path = tiny_gguf("qwen2")
+    model = load_llm(path, backend="c", context=64, generated_dir=tmp_path, progress=False)
+    pieces: list[str] = []
+    result = inference(model, input="the cat and the dog", max_tokens=10, stream=pieces.append)
+    oracle = oracle_factory(path)
+    prompt = oracle.tokenize("the cat and the dog", add_special=True, special=True)
+    assert result.prompt_token_ids == prompt
+    expected = oracle.greedy(prompt, 10, stop_at_eog=True)
+    assert result.output_token_ids == [t for t in expected if not oracle.is_eog(t)][: len(result.output_token_ids)]
+    assert "".join(pieces) == result.output == model.tokenizer.decode(result.output_token_ids)
+    # chat on a GGUF without a template falls back to plain text and says so
+    chat = inference(model, input=[{"role": "user", "content": "the cat"}], max_tokens=2)
+    assert "chat_template" in chat.report

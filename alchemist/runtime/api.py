@@ -150,8 +150,10 @@ def _prompt_ids(model: LoadedModel, input, chat: bool | None, add_special_tokens
         if not tok.has_chat_template:
             info["chat_template"] = "none in this GGUF: messages joined as plain text"
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        info["rendered_prompt"] = text
-        return tok.encode(text, add_special_tokens=add_special_tokens), info
+        info["rendered_prompt"] = str(text)
+        if getattr(text, "used_template", True) is False:
+            info["chat_template"] = getattr(text, "note", "") or info.get("chat_template", "")
+        return tok.encode_chat(messages, add_generation_prompt=True), info
     if isinstance(input, (list, tuple)):
         text = "".join(str(m.get("content", "")) for m in messages)
     else:
