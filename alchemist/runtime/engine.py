@@ -57,12 +57,15 @@ class Engine:
         self.mode = get_mode(backend)
         self.capacity = int(capacity)
         self.static = static_shapes(backend)
-        self.weights = {name: pytensor.shared(arr, name=name, borrow=True) for name, arr in weights.items()}
+        # Static shapes: rewrites and the JAX/MLX tracers see every weight and cache dimension as a constant.
+        self.weights = {
+            name: pytensor.shared(arr, name=name, borrow=True, shape=arr.shape) for name, arr in weights.items()
+        }
         shape = (self.capacity, module.N_KV_HEAD, module.HEAD_DIM)
         self.cache = [
             (
-                pytensor.shared(np.zeros(shape, np.float32), name=f"k_cache.{il}"),
-                pytensor.shared(np.zeros(shape, np.float32), name=f"v_cache.{il}"),
+                pytensor.shared(np.zeros(shape, np.float32), name=f"k_cache.{il}", shape=shape),
+                pytensor.shared(np.zeros(shape, np.float32), name=f"v_cache.{il}", shape=shape),
             )
             for il in range(module.N_LAYER)
         ]
