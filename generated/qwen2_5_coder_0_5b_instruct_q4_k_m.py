@@ -422,8 +422,8 @@ def load_weights(path, progress=None) -> dict:
 # The model
 # ---------------------------------------------------------------------------------------------------
 def linear(x, weight, bias=None):
-    """x @ W.T for W stored (n_out, n_in)."""
-    y = pt.dot(x, weight.T)
+    """x @ W.T for W stored (n_out, n_in), written (W @ x.T).T: XLA's CPU dot is ~5x faster this way round."""
+    y = pt.dot(weight, x.T).T
     return y if bias is None else y + bias
 
 

@@ -170,7 +170,13 @@ MUTATIONS = [
         id="quantized-tensor-claims-f32",
     ),
     pytest.param(
-        "llama", [("y = pt.dot(x, weight.T)", "y = pt.dot(x, weight)")], {"orientation"}, id="linear-without-transpose"
+        "llama", [("y = pt.dot(weight, x.T).T", "y = pt.dot(x, weight)")], {"orientation"}, id="linear-without-transpose"
+    ),
+    pytest.param(
+        "llama", [("y = pt.dot(weight, x.T).T", "y = pt.dot(weight, x.T)")], {"orientation"}, id="linear-missing-outer-T"
+    ),
+    pytest.param(
+        "llama", [("y = pt.dot(weight, x.T).T", "y = pt.dot(weight.T, x.T).T")], {"orientation"}, id="linear-weight-transposed"
     ),
     pytest.param(
         "qwen",
@@ -355,7 +361,7 @@ def test_kernel_path_passes_and_misuse_fails(reference_ggufs, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 def test_report_renderings(fixture_modules, tmp_path):
     module, gguf_path, _ = fixture_modules["llama"]
-    path = mutant(tmp_path, module, [("y = pt.dot(x, weight.T)", "y = pt.dot(x, weight)")])
+    path = mutant(tmp_path, module, [("y = pt.dot(weight, x.T).T", "y = pt.dot(x, weight)")])
     report = audit_module(path, gguf_path)
     lines = report.table().splitlines()
     assert lines[1].split() == ["check", "result", "why"]

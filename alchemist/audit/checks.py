@@ -1115,6 +1115,16 @@ def _transposed_product(src: ModuleSource, node, x: str, weight: str) -> bool | 
     return dotted(a) == x and is_transposed_weight(b)
 
 
+def _transposed_of_weight_product(src: ModuleSource, node, x: str, weight: str):
+    """The inner product node if `node` is (W @ x.T).T -- the same x @ W.T, written so that XLA multiplies
+    a row-major (n_out, n_in) weight without transposing it -- else None."""
+    if not (isinstance(node, cst.Attribute) and node.attr.value == "T"):
+        return None
+    inner = node.value
+    # `_transposed_product(inner, weight, x)` asks: is inner == weight @ x.T ?
+    return inner if _transposed_product(src, inner, weight, x) else None
+
+
 def check_orientation(ctx: Context) -> CheckResult:
     src, f = ctx.src, []
     tensors = ctx.tensors()
@@ -1153,7 +1163,9 @@ def check_orientation(ctx: Context) -> CheckResult:
             f.append("linear() does not take (x, weight)")
         else:
             x, weight = params[0], params[1]
-            forms = [(n, _transposed_product(src, n, x, weight)) for n in walk(linear.body)]
+            nodes = list(walk(linear.body))
+            wrapped = {id(i) for i in (_transposed_of_weight_product(src, n, x, weight) for n in nodes) if i is not None}
+            forms = [(n, True if id(n) in wrapped else _transposed_product(src, n, x, weight)) for n in nodes]
             forms = [(n, ok) for n, ok in forms if ok is not None]
             if not forms:
                 f.append("linear() computes no pt.dot/pt.matmul/@ product")
