@@ -1,0 +1,529 @@
+"""C++ source of the quantized matmul kernels used by `QuantizedMatmul.c_code` (PyTensor compiles it with g++).
+
+Y (T, n_out) = X (T, n_in) @ dequant(W).T, W given as GGUF rows (n_out, row_bytes), no repacking.
+
+Every supported block is a set of sub-blocks (16 or 32 weights) with weight = dl * q + mb, q a small
+integer, dl and mb float32 (mb = 0 for the symmetric types; mb = m for Q4_1/Q5_1, -dmin * min for the
+K-quants); dl and mb are computed exactly as gguf-py computes them. A row's dot with x is
+
+    sum over sub-blocks of  dl * (sum_j q_j x_j)  +  mb * (sum_j x_j)
+
+Per block the quants are unpacked to int8 (AVX2 byte shuffles when the compiler targets AVX2+FMA, else
+portable scalar code), then each sub-block's sum_j q_j x_j is an 8-lane float32 multiply-add chain and
+is scaled by dl into two alternating 8-lane float32 accumulators; the mb terms go to a scalar float32
+accumulator against per-16 sums of x computed once per call. The row result is the pairwise sum of the
+lanes plus that scalar. So the arithmetic is float32 throughout and differs from dequantize-then-matmul
+only by rounding order (the products q_j x_j are exact-input float32 products; dl is applied per
+sub-block instead of per weight). For 1 < T < 16 each block is unpacked once and applied to every token,
+in the same operation order, so row t of a T-token product equals the 1-token product of token t.
+For T >= 16 (prefill), when PyTensor has a BLAS: panels of ~1 MB of rows are dequantized exactly as
+gguf-py does (float32, no FMA contraction) and multiplied by sgemm, i.e. literally dequantize-then-matmul
+without ever holding more than one panel in float32.
+Output rows are split across OpenMP threads (when compiled with -fopenmp and the weights exceed 64 KB);
+weights are software-prefetched 4 KB ahead.
+"""
+
+C_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#ifndef ALCHEMIST_HAVE_BLAS
+#define ALCHEMIST_HAVE_BLAS 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define AQ_AVX2 1
+#else
+#define AQ_AVX2 0
+#endif
+
+namespace alchemist_q {
+
+typedef long long idx_t;
+
+/* The weights stream from DRAM once per call: prefetch this far ahead of the block being read (the
+   hardware prefetchers stop at 4 KB page boundaries; this took a 178 MB Q8_0 matvec from ~4 to ~12 GB/s). */
+enum { PREFETCH = 4096 };
+
+/* ------------------------------------------------------------------ scalars */
+static inline float f16(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t bits;
+    float f;
+    if (e == 0x1f) {
+        bits = sign | 0x7f800000u | (m << 13);
+    } else if (e == 0) {
+        f = (float)m * 5.9604644775390625e-08f; /* m * 2^-24, exact */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint32_t u32le(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* K-quant 6-bit scale / min j of 8 from the 12 packed bytes (llama.cpp get_scale_min_k4). */
+static inline void k_scale_min(int j, const uint8_t *s, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* ------------------------------------------------------------------ float vectors of VL lanes
+   AVX-512: 16 lanes; AVX2+FMA: 8 lanes; otherwise a portable 8-lane struct (the compiler may vectorize) */
+#if defined(__AVX512F__) && AQ_AVX2
+enum { VL = 16 };
+typedef __m512 vf;
+static inline vf vf_zero() { return _mm512_setzero_ps(); }
+static inline vf vf_q(const int8_t *q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline void vf_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline float vf_hsum(vf a) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); /* l, l + 8 */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));         /* + l + 4 */
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                                 /* + l + 2 */
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));                                                  /* + l + 1 */
+    return _mm_cvtss_f32(s);
+}
+#elif AQ_AVX2
+enum { VL = 8 };
+typedef __m256 vf;
+static inline vf vf_zero() { return _mm256_setzero_ps(); }
+static inline vf vf_q(const int8_t *q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_set1(float a) { return _mm256_set1_ps(a); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline void vf_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
+static inline float vf_hsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* l, l + 4 */
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                       /* + l + 2 */
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));                                        /* + l + 1 */
+    return _mm_cvtss_f32(s);
+}
+#else
+enum { VL = 8 };
+struct vf { float v[8]; };
+static inline vf vf_zero() { vf r; for (int l = 0; l < 8; ++l) r.v[l] = 0.0f; return r; }
+static inline vf vf_q(const int8_t *q) { vf r; for (int l = 0; l < 8; ++l) r.v[l] = (float)q[l]; return r; }
+static inline vf vf_load(const float *p) { vf r; for (int l = 0; l < 8; ++l) r.v[l] = p[l]; return r; }
+static inline vf vf_mul(vf a, vf b) { vf r; for (int l = 0; l < 8; ++l) r.v[l] = a.v[l] * b.v[l]; return r; }
+static inline vf vf_fma(vf a, vf b, vf c) { vf r; for (int l = 0; l < 8; ++l) r.v[l] = a.v[l] * b.v[l] + c.v[l]; return r; }
+static inline vf vf_set1(float a) { vf r; for (int l = 0; l < 8; ++l) r.v[l] = a; return r; }
+static inline vf vf_add(vf a, vf b) { vf r; for (int l = 0; l < 8; ++l) r.v[l] = a.v[l] + b.v[l]; return r; }
+static inline void vf_store(float *p, vf a) { for (int l = 0; l < 8; ++l) p[l] = a.v[l]; }
+static inline float vf_hsum(vf a) {
+    float s[4];
+    for (int l = 0; l < 4; ++l) s[l] = a.v[l] + a.v[l + 4];
+    return ((s[0] + s[2]) + (s[1] + s[3]));
+}
+#endif
+
+#if AQ_AVX2
+static inline __m256i i8_set1(int v) { return _mm256_set1_epi8((char)v); }
+/* byte j = 0xFF where bit j of the 32-bit little-endian word at p is set */
+static inline __m256i bytes_from_bits_32(const uint8_t *p) {
+    uint32_t x32;
+    memcpy(&x32, p, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x32), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+/* 16 bytes -> 32 bytes: low nibbles then high nibbles */
+static inline __m256i nibbles_32(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    return _mm256_and_si256(both, i8_set1(0xF));
+}
+static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void store32(int8_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)q, v); }
+static inline __m256i srl8(__m256i v, int n, int mask) { /* (v >> n) & mask per byte */
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), i8_set1(mask));
+}
+#endif
+
+/* ------------------------------------------------------------------ block formats
+   unpack(b, q, dl, mb): q[QK] int8 quants (returned pointer; may point into the block), dl[NSUB] scales,
+   mb[NSUB] offsets (HAS_MIN only). */
+struct Q8_0 {
+    enum { QK = 32, BS = 34, SUB = 32, NSUB = 1, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *, float *dl, float *) {
+        dl[0] = f16(b);
+        return (const int8_t *)(b + 2);
+    }
+};
+
+struct Q4_0 {
+    enum { QK = 32, BS = 18, SUB = 32, NSUB = 1, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        dl[0] = f16(b);
+#if AQ_AVX2
+        store32(q, _mm256_sub_epi8(nibbles_32(b + 2), i8_set1(8)));
+#else
+        for (int j = 0; j < 16; ++j) {
+            q[j] = (int8_t)((b[2 + j] & 0xF) - 8);
+            q[j + 16] = (int8_t)((b[2 + j] >> 4) - 8);
+        }
+#endif
+        return q;
+    }
+};
+
+struct Q4_1 {
+    enum { QK = 32, BS = 20, SUB = 32, NSUB = 1, HAS_MIN = 1 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *mb) {
+        dl[0] = f16(b);
+        mb[0] = f16(b + 2);
+#if AQ_AVX2
+        store32(q, nibbles_32(b + 4));
+#else
+        for (int j = 0; j < 16; ++j) {
+            q[j] = (int8_t)(b[4 + j] & 0xF);
+            q[j + 16] = (int8_t)(b[4 + j] >> 4);
+        }
+#endif
+        return q;
+    }
+};
+
+template <int MIN>
+static inline void unpack_q5(const uint8_t *qh, const uint8_t *qs, int8_t *q) {
+#if AQ_AVX2
+    __m256i v = _mm256_or_si256(nibbles_32(qs), _mm256_and_si256(bytes_from_bits_32(qh), i8_set1(0x10)));
+    if (!MIN) v = _mm256_sub_epi8(v, i8_set1(16));
+    store32(q, v);
+#else
+    const uint32_t h = u32le(qh);
+    for (int j = 0; j < 16; ++j) {
+        q[j] = (int8_t)(((qs[j] & 0xF) | (((h >> j) & 1u) << 4)) - (MIN ? 0 : 16));
+        q[j + 16] = (int8_t)(((qs[j] >> 4) | (((h >> (j + 16)) & 1u) << 4)) - (MIN ? 0 : 16));
+    }
+#endif
+}
+
+struct Q5_0 {
+    enum { QK = 32, BS = 22, SUB = 32, NSUB = 1, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        dl[0] = f16(b);
+        unpack_q5<0>(b + 2, b + 6, q);
+        return q;
+    }
+};
+
+struct Q5_1 {
+    enum { QK = 32, BS = 24, SUB = 32, NSUB = 1, HAS_MIN = 1 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *mb) {
+        dl[0] = f16(b);
+        mb[0] = f16(b + 2);
+        unpack_q5<1>(b + 4, b + 8, q);
+        return q;
+    }
+};
+
+struct Q2_K {
+    enum { QK = 256, BS = 84, SUB = 16, NSUB = 16, HAS_MIN = 1 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *mb) {
+        const uint8_t *sc = b, *qs = b + 16;
+        const float d = f16(b + 80), dmin = f16(b + 82);
+        for (int k = 0; k < 16; ++k) {
+            dl[k] = d * (float)(sc[k] & 0xF);
+            mb[k] = -(dmin * (float)(sc[k] >> 4));
+        }
+        for (int h = 0; h < 2; ++h) {
+#if AQ_AVX2
+            const __m256i v = load32(qs + 32 * h);
+            for (int s = 0; s < 4; ++s) store32(q + h * 128 + s * 32, srl8(v, 2 * s, 3));
+#else
+            for (int s = 0; s < 4; ++s)
+                for (int l = 0; l < 32; ++l) q[h * 128 + s * 32 + l] = (int8_t)((qs[h * 32 + l] >> (2 * s)) & 3);
+#endif
+        }
+        return q;
+    }
+};
+
+struct Q3_K {
+    enum { QK = 256, BS = 110, SUB = 16, NSUB = 16, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+        const float d = f16(b + 108);
+        for (int k = 0; k < 16; ++k) {
+            const int low = k < 8 ? (sc[k] & 0xF) : (sc[k - 8] >> 4);
+            const int high = (sc[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
+            dl[k] = d * (float)((low | (high << 4)) - 32);
+        }
+#if AQ_AVX2
+        const __m256i hm = load32(hmask);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i v = load32(qs + 32 * h);
+            for (int s = 0; s < 4; ++s) {
+                const __m256i bit = i8_set1(1 << (h * 4 + s));
+                const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), _mm256_setzero_si256());
+                store32(q + h * 128 + s * 32, _mm256_sub_epi8(srl8(v, 2 * s, 3), _mm256_and_si256(clear, i8_set1(4))));
+            }
+        }
+#else
+        for (int h = 0; h < 2; ++h)
+            for (int s = 0; s < 4; ++s)
+                for (int l = 0; l < 32; ++l)
+                    q[h * 128 + s * 32 + l] =
+                        (int8_t)(((qs[h * 32 + l] >> (2 * s)) & 3) - (((hmask[l] >> (h * 4 + s)) & 1) ? 0 : 4));
+#endif
+        return q;
+    }
+};
+
+template <int HIGH>
+static inline const int8_t *unpack_q45k(const uint8_t *b, int8_t *q, float *dl, float *mb) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *qh = b + 16, *qs = HIGH ? b + 48 : b + 16;
+    for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        k_scale_min(j, b + 4, &sc, &mn);
+        dl[j] = d * (float)sc;
+        mb[j] = -(dmin * (float)mn);
+    }
+#if AQ_AVX2
+    const __m256i hbits = HIGH ? load32(qh) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+        const __m256i v = load32(qs + 32 * c);
+        __m256i lo = _mm256_and_si256(v, i8_set1(0xF)), hi = srl8(v, 4, 0xF);
+        if (HIGH) {
+            const __m256i b0 = i8_set1(1 << (2 * c)), b1 = i8_set1(1 << (2 * c + 1));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b0), b0), i8_set1(0x10)));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b1), b1), i8_set1(0x10)));
+        }
+        store32(q + 64 * c, lo);
+        store32(q + 64 * c + 32, hi);
+    }
+#else
+    for (int c = 0; c < 4; ++c)
+        for (int a = 0; a < 2; ++a)
+            for (int l = 0; l < 32; ++l) {
+                int v = (qs[c * 32 + l] >> (4 * a)) & 0xF;
+                if (HIGH) v |= ((qh[l] >> (2 * c + a)) & 1) << 4;
+                q[(2 * c + a) * 32 + l] = (int8_t)v;
+            }
+#endif
+    return q;
+}
+
+struct Q4_K {
+    enum { QK = 256, BS = 144, SUB = 32, NSUB = 8, HAS_MIN = 1 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *mb) { return unpack_q45k<0>(b, q, dl, mb); }
+};
+
+struct Q5_K {
+    enum { QK = 256, BS = 176, SUB = 32, NSUB = 8, HAS_MIN = 1 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *mb) { return unpack_q45k<1>(b, q, dl, mb); }
+};
+
+struct Q6_K {
+    enum { QK = 256, BS = 210, SUB = 16, NSUB = 16, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16(b + 208);
+        for (int k = 0; k < 16; ++k) dl[k] = d * (float)sc[k];
+        for (int h = 0; h < 2; ++h) {
+#if AQ_AVX2
+            const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hv = load32(qh + 32 * h);
+            const __m256i m32 = i8_set1(32);
+            const __m256i lows[4] = {_mm256_and_si256(l0, i8_set1(0xF)), _mm256_and_si256(l1, i8_set1(0xF)), srl8(l0, 4, 0xF),
+                                     srl8(l1, 4, 0xF)};
+            for (int s = 0; s < 4; ++s) {
+                const __m256i high = _mm256_slli_epi16(srl8(hv, 2 * s, 3), 4);
+                store32(q + h * 128 + s * 32, _mm256_sub_epi8(_mm256_or_si256(lows[s], high), m32));
+            }
+#else
+            for (int s = 0; s < 4; ++s)
+                for (int l = 0; l < 32; ++l) {
+                    const int lo = (ql[h * 64 + (s & 1) * 32 + l] >> (4 * (s >> 1))) & 0xF;
+                    const int hi = (qh[h * 32 + l] >> (2 * s)) & 3;
+                    q[h * 128 + s * 32 + l] = (int8_t)((lo | (hi << 4)) - 32);
+                }
+#endif
+        }
+        return q;
+    }
+};
+
+/* ------------------------------------------------------------------ the shared inner product */
+struct Acc {
+    vf a0, a1;
+    float m;
+};
+
+static inline void acc_zero(Acc *acc) {
+    acc->a0 = vf_zero();
+    acc->a1 = vf_zero();
+    acc->m = 0.0f;
+}
+
+static inline float acc_total(const Acc *acc) { return vf_hsum(vf_add(acc->a0, acc->a1)) + acc->m; }
+
+/* one unpacked block against x (the block's QK activations) and xs16 (their per-16 sums) */
+template <class Q>
+static inline void dot_block(const int8_t *q, const float *dl, const float *mb, const float *x, const float *xs16, Acc *acc) {
+    for (int s = 0; s < Q::NSUB; ++s) {
+        const int8_t *qs = q + s * Q::SUB;
+        const float *xx = x + s * Q::SUB;
+        vf t = vf_mul(vf_q(qs), vf_load(xx));
+        for (int l = VL; l < Q::SUB; l += VL) t = vf_fma(vf_q(qs + l), vf_load(xx + l), t);
+        if (s & 1)
+            acc->a1 = vf_fma(vf_set1(dl[s]), t, acc->a1);
+        else
+            acc->a0 = vf_fma(vf_set1(dl[s]), t, acc->a0);
+        if (Q::HAS_MIN) {
+            const float xs = Q::SUB == 16 ? xs16[s] : xs16[2 * s] + xs16[2 * s + 1];
+            acc->m += mb[s] * xs;
+        }
+    }
+}
+
+static void sums16(const float *x, idx_t n, float *out) {
+    for (idx_t g = 0; g < n / 16; ++g) {
+        const float *p = x + 16 * g;
+        float s[8];
+        for (int l = 0; l < 8; ++l) s[l] = p[l] + p[l + 8];
+        out[g] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+    }
+}
+
+/* exact dequantization of one row into n_in floats: dl * q (+ mb), in gguf-py's float32 operations (this
+   file is compiled with -ffp-contract=off, so q * dl + mb is not fused) */
+template <class Q>
+static inline void dequantize_row(const uint8_t *row, idx_t nb, float *out) {
+    alignas(64) int8_t qbuf[Q::QK];
+    float dl[Q::NSUB], mb[Q::NSUB];
+    for (idx_t b = 0; b < nb; ++b) {
+        const int8_t *q = Q::unpack(row + b * Q::BS, qbuf, dl, mb);
+        float *o = out + b * Q::QK;
+        for (int s = 0; s < Q::NSUB; ++s) {
+            const vf d = vf_set1(dl[s]), m = vf_set1(Q::HAS_MIN ? mb[s] : 0.0f);
+            for (int l = 0; l < Q::SUB; l += VL) {
+                const vf v = vf_mul(d, vf_q(q + s * Q::SUB + l));
+                vf_store(o + s * Q::SUB + l, Q::HAS_MIN ? vf_add(v, m) : v);
+            }
+        }
+    }
+}
+
+#if ALCHEMIST_HAVE_BLAS
+/* T >= BLAS_MIN_T: dequantize panels of rows (OpenMP) and multiply each with sgemm (threaded by the BLAS) */
+enum { BLAS_MIN_T = 16 };
+template <class Q>
+static int run_blas(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, idx_t T, float *Y) {
+    const idx_t nb = n_in / Q::QK, rb = nb * Q::BS;
+    idx_t panel = (idx_t)(1048576 / n_in) / 16 * 16; /* ~4 MB of float32 weights */
+    if (panel < 16) panel = 16;
+    if (panel > n_out) panel = n_out;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(panel * n_in));
+    if (!buf) return -1;
+    for (idx_t o0 = 0; o0 < n_out; o0 += panel) {
+        const idx_t np_ = n_out - o0 < panel ? n_out - o0 : panel;
+#pragma omp parallel for schedule(static) if (np_ * rb >= 65536)
+        for (idx_t r = 0; r < np_; ++r) dequantize_row<Q>(W + (o0 + r) * rb, nb, buf + r * n_in);
+        /* column-major view: Y[o0:o0+np_, :] (ld n_out) = buf^T (np_ x n_in) @ X^T (n_in x T) */
+        char ta = 'T', tb = 'N';
+        int m = (int)np_, n = (int)T, k = (int)n_in, lda = (int)n_in, ldb = (int)n_in, ldc = (int)n_out;
+        float one = 1.0f, zero = 0.0f;
+        sgemm_(&ta, &tb, &m, &n, &k, &one, buf, &lda, X, &ldb, &zero, Y + o0, &ldc);
+    }
+    free(buf);
+    return 0;
+}
+#endif
+
+template <class Q>
+static int run(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, idx_t T, float *Y) {
+#if ALCHEMIST_HAVE_BLAS
+    if (T >= BLAS_MIN_T && n_in <= 0x7fffffff / 2 && n_out <= 0x7fffffff && T <= 0x7fffffff)
+        return run_blas<Q>(W, n_out, n_in, X, T, Y);
+#endif
+    const idx_t nb = n_in / Q::QK, rb = nb * Q::BS, ng = n_in / 16;
+    float *xs16 = NULL;
+    if (Q::HAS_MIN) {
+        xs16 = (float *)malloc(sizeof(float) * (size_t)(T * ng + 1));
+        if (!xs16) return -1;
+        for (idx_t t = 0; t < T; ++t) sums16(X + t * n_in, n_in, xs16 + t * ng);
+    }
+    const int threaded = (double)n_out * (double)rb * (double)T >= 65536.0;
+    if (T == 1) {
+#pragma omp parallel for schedule(static) if (threaded)
+        for (idx_t o = 0; o < n_out; ++o) {
+            const uint8_t *row = W + o * rb;
+            Acc acc;
+            alignas(64) int8_t qbuf[Q::QK];
+            float dl[Q::NSUB], mb[Q::NSUB];
+            acc_zero(&acc);
+            for (idx_t b = 0; b < nb; ++b) {
+                __builtin_prefetch(row + b * Q::BS + PREFETCH);
+                const int8_t *q = Q::unpack(row + b * Q::BS, qbuf, dl, mb);
+                dot_block<Q>(q, dl, mb, X + b * Q::QK, xs16 ? xs16 + b * (Q::QK / 16) : NULL, &acc);
+            }
+            Y[o] = acc_total(&acc);
+        }
+    } else {
+        enum { TC = 64 }; /* tokens per pass over a row's blocks */
+        const idx_t n_chunks = (T + TC - 1) / TC;
+#pragma omp parallel for schedule(static) collapse(2) if (threaded)
+        for (idx_t o = 0; o < n_out; ++o) {
+            for (idx_t c = 0; c < n_chunks; ++c) {
+                const uint8_t *row = W + o * rb;
+                const idx_t t0 = c * TC, nt = T - t0 < TC ? T - t0 : TC;
+                Acc acc[TC];
+                alignas(64) int8_t qbuf[Q::QK];
+                float dl[Q::NSUB], mb[Q::NSUB];
+                for (idx_t t = 0; t < nt; ++t) acc_zero(&acc[t]);
+                for (idx_t b = 0; b < nb; ++b) {
+                    __builtin_prefetch(row + b * Q::BS + PREFETCH);
+                    const int8_t *q = Q::unpack(row + b * Q::BS, qbuf, dl, mb);
+                    for (idx_t t = 0; t < nt; ++t)
+                        dot_block<Q>(q, dl, mb, X + (t0 + t) * n_in + b * Q::QK,
+                                     xs16 ? xs16 + (t0 + t) * ng + b * (Q::QK / 16) : NULL, &acc[t]);
+                }
+                for (idx_t t = 0; t < nt; ++t) Y[(t0 + t) * n_out + o] = acc_total(&acc[t]);
+            }
+        }
+    }
+    free(xs16);
+    return 0;
+}
+
+/* rows idx[0..T) of W, dequantized exactly (an embedding lookup); -1 - t if idx[t] is out of range */
+template <class Q>
+static idx_t embed(const uint8_t *W, idx_t n_rows, idx_t n_in, const int64_t *idx, idx_t T, float *Y) {
+    const idx_t nb = n_in / Q::QK, rb = nb * Q::BS;
+    for (idx_t t = 0; t < T; ++t)
+        if (idx[t] < -n_rows || idx[t] >= n_rows) return -1 - t;
+    for (idx_t t = 0; t < T; ++t) {
+        const idx_t r = idx[t] < 0 ? idx[t] + n_rows : idx[t];
+        dequantize_row<Q>(W + r * rb, nb, Y + t * n_in);
+    }
+    return 0;
+}
+
+}  // namespace alchemist_q
+"""

@@ -1,0 +1,187 @@
+"""GGUF block formats: sizes, and a dequantizer written once for both numpy and PyTensor.
+
+A GGUF weight row of n_in values is n_in / QK consecutive blocks of BS bytes; each block holds QK weights
+as small integers plus fp16 scale(s). Layouts follow gguf-py's `gguf/quants.py` (numpy reference) and
+llama.cpp's `ggml-quants.c`.
+
+`dequantize_blocks(xp, blocks, ggml_type)` maps uint8 blocks (..., n_blocks, BS) to float32 values
+(..., n_blocks * QK) using only reshapes, slices, integer `//` and `%`, products, sums, concatenation
+and a table lookup, so the same code runs with `xp=numpy` (checked against gguf-py) and `xp=pytensor.tensor`
+(the dequantize-then-dot fallback that compiles on every PyTensor backend, JAX and MLX included).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# ggml type -> (QK: weights per block, BS: bytes per block)
+BLOCK_SIZES: dict[str, tuple[int, int]] = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
+
+SUPPORTED_TYPES: tuple[str, ...] = tuple(BLOCK_SIZES)
+
+# every fp16 bit pattern (lo byte + 256 * hi byte) as float32: exact, handles subnormals, inf and nan
+F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+def row_bytes(ggml_type: str, n_in: int) -> int:
+    """Bytes of one row of n_in weights."""
+    qk, bs = block_size(ggml_type)
+    if n_in % qk:
+        raise ValueError(f"{ggml_type}: a row of {n_in} weights is not a whole number of {qk}-weight blocks")
+    return n_in // qk * bs
+
+
+def block_size(ggml_type: str) -> tuple[int, int]:
+    try:
+        return BLOCK_SIZES[ggml_type]
+    except KeyError:
+        raise NotImplementedError(
+            f"no quantized kernel for ggml type {ggml_type!r}; supported: {', '.join(SUPPORTED_TYPES)}"
+        ) from None
+
+
+class _Ops:
+    """The few array operations the dequantizer needs, for numpy or pytensor.tensor."""
+
+    def __init__(self, xp):
+        self.xp = xp
+        self.symbolic = xp is not np
+
+    def concat(self, parts, axis=-1):
+        return self.xp.concatenate(parts, axis=axis)
+
+    def stack(self, parts, axis):
+        return self.xp.stack(parts, axis=axis)
+
+    def f16(self, lo_hi):
+        """(..., 2) int bytes -> (...,) float32, via the exact table."""
+        bits = lo_hi[..., 0] + 256 * lo_hi[..., 1]
+        table = self.xp.as_tensor(F16_TABLE) if self.symbolic else F16_TABLE
+        return table[bits]
+
+    def f32(self, a):
+        return a.astype("float32")
+
+
+def _bits(ops, a, shifts, width, axis=-2):
+    """(..., n) ints -> (..., len(shifts), n) (or (..., n, len(shifts)) for axis=-1): (a >> s) & (2**width - 1)."""
+    return ops.stack([(a // (1 << s)) % (1 << width) for s in shifts], axis=axis)
+
+
+def _int8(a):
+    return a - 256 * (a // 128)
+
+
+def _k_scale_min(ops, s):
+    """Q4_K / Q5_K: 12 bytes (..., 12) -> 8 six-bit scales and 8 six-bit mins (..., 8)."""
+    d_, m_, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = ops.concat([d_ % 64, md % 16 + (d_ // 64) * 16])
+    mn = ops.concat([m_ % 64, md // 16 + (m_ // 64) * 16])
+    return sc, mn
+
+
+def dequantize_blocks(xp, blocks, ggml_type: str):
+    """uint8 blocks (n_rows, n_blocks, BS) -> float32 (n_rows, n_blocks * QK); xp is numpy or pytensor.tensor.
+
+    Shapes must be static (ints) for pytensor inputs: `blocks.type.shape` is used.
+    """
+    ops = _Ops(xp)
+    qk, bs = block_size(ggml_type)
+    lead = tuple(int(n) for n in (blocks.type.shape if ops.symbolic else blocks.shape)[:-1])
+    b = blocks.astype("int32")
+    f32 = ops.f32
+
+    def flat(v):  # (n_rows, n_blocks, anything...) -> (n_rows, n_blocks * QK)
+        return v.reshape((*lead[:-1], lead[-1] * qk))
+
+    if ggml_type in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        d = ops.f16(b[..., 0:2])[..., None]
+        if ggml_type == "Q8_0":
+            return flat(d * f32(_int8(b[..., 2:34])))
+        has_min = ggml_type in ("Q4_1", "Q5_1")
+        m = ops.f16(b[..., 2:4])[..., None] if has_min else None
+        pos = 4 if has_min else 2
+        if ggml_type in ("Q5_0", "Q5_1"):
+            qh = b[..., pos : pos + 4]
+            pos += 4
+        qs = b[..., pos : pos + 16]
+        q = ops.concat([qs % 16, qs // 16])  # element j < 16: low nibble of byte j; j >= 16: high nibble
+        if ggml_type in ("Q5_0", "Q5_1"):
+            hbits = _bits(ops, qh, range(8), 1, axis=-1)  # (..., 4, 8): bit s of byte k is the 5th bit of element 8k+s
+            q = q + 16 * hbits.reshape((*lead, 32))
+        if has_min:
+            return flat(d * f32(q) + m)
+        return flat(d * f32(q - (16 if ggml_type == "Q5_0" else 8)))
+
+    if ggml_type == "Q2_K":
+        scales, qs = b[..., 0:16], b[..., 16:80]
+        d, dmin = ops.f16(b[..., 80:82])[..., None], ops.f16(b[..., 82:84])[..., None]
+        dl = (d * f32(scales % 16))[..., None]
+        ml = (dmin * f32(scales // 16))[..., None]
+        q = _bits(ops, qs.reshape((*lead, 2, 32)), (0, 2, 4, 6), 2)  # (..., 2, 4, 32)
+        q = f32(q.reshape((*lead, 16, 16)))
+        return flat(dl * q - ml)
+
+    if ggml_type == "Q3_K":
+        hmask, qs, sc = b[..., 0:32], b[..., 32:96], b[..., 96:108]
+        d = ops.f16(b[..., 108:110])[..., None]
+        low = ops.concat([sc[..., 0:8] % 16, sc[..., 0:8] // 16])
+        high = _bits(ops, sc[..., 8:12], (0, 2, 4, 6), 2).reshape((*lead, 16))
+        scales = f32(low + 16 * high - 32)
+        dl = (d * scales)[..., None]
+        ql = _bits(ops, qs.reshape((*lead, 2, 32)), (0, 2, 4, 6), 2).reshape((*lead, 16, 16))
+        qh = _bits(ops, hmask, range(8), 1).reshape((*lead, 16, 16))
+        q = f32(ql - 4 * (1 - qh))
+        return flat(dl * q)
+
+    if ggml_type in ("Q4_K", "Q5_K"):
+        d, dmin = ops.f16(b[..., 0:2])[..., None], ops.f16(b[..., 2:4])[..., None]
+        sc, mn = _k_scale_min(ops, b[..., 4:16])
+        dl = (d * f32(sc))[..., None]
+        ml = (dmin * f32(mn))[..., None]
+        qs = b[..., 16:144] if ggml_type == "Q4_K" else b[..., 48:176]
+        q = _bits(ops, qs.reshape((*lead, 4, 32)), (0, 4), 4).reshape((*lead, 8, 32))
+        if ggml_type == "Q5_K":
+            q = q + 16 * _bits(ops, b[..., 16:48], range(8), 1)
+        return flat(dl * f32(q) - ml)
+
+    if ggml_type == "Q6_K":
+        ql, qh, sc = b[..., 0:128], b[..., 128:192], b[..., 192:208]
+        d = ops.f16(b[..., 208:210])[..., None]
+        dl = (d * f32(_int8(sc)))[..., None]
+        lo = _bits(ops, ql.reshape((*lead, 2, 64)), (0, 4), 4).reshape((*lead, 8, 32))
+        hi = _bits(ops, qh.reshape((*lead, 2, 32)), (0, 2, 4, 6), 2).reshape((*lead, 8, 32))
+        q = f32(lo + 16 * hi - 32).reshape((*lead, 16, 16))
+        return flat(dl * q)
+
+    raise NotImplementedError(ggml_type)
+
+
+def dequantize_rows(xp, w_blocks, ggml_type: str, n_out: int, n_in: int):
+    """uint8 rows (n_out, row_bytes) -> float32 weights (n_out, n_in); xp is numpy or pytensor.tensor."""
+    qk, bs = block_size(ggml_type)
+    if xp is not np:
+        from pytensor.tensor import specify_shape
+
+        w_blocks = specify_shape(w_blocks, (n_out, row_bytes(ggml_type, n_in)))
+    blocks = w_blocks.reshape((n_out, n_in // qk, bs))
+    return dequantize_blocks(xp, blocks, ggml_type).reshape((n_out, n_in))
+
+
+def reference_dequantize(w_blocks: np.ndarray, ggml_type: str) -> np.ndarray:
+    """gguf-py's dequantizer (the exact reference): uint8 rows (n_out, row_bytes) -> float32 (n_out, n_in)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return np.ascontiguousarray(dequantize(np.asarray(w_blocks), GGMLQuantizationType[ggml_type]), dtype=np.float32)

@@ -1,0 +1,561 @@
+"""Numba kernels for `QuantizedMatmul` and their registration with PyTensor's Numba backend.
+
+Output rows are split into `prange` chunks. Per row: the row is dequantized into a float32 buffer exactly as
+gguf-py does it (same float32 operations: d * q, d * q + m, dl * q - ml), then dotted with each token.
+The dequantization runs with fastmath=False; the dot alone is compiled with fastmath={"reassoc"} so that
+LLVM may vectorize its float32 sum (without it Numba runs ~5x slower; no nnan/ninf flags, so nan and inf
+propagate as usual). So results equal dequantize-then-matmul up to float32 summation order.
+One cached driver serves every type (`kind` selects the decoder), so Numba compiles it once per machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numba
+import numpy as np
+from numba import prange
+
+from alchemist.kernels import formats
+
+KINDS = {name: i for i, name in enumerate(formats.SUPPORTED_TYPES)}
+_QK = np.array([formats.BLOCK_SIZES[t][0] for t in formats.SUPPORTED_TYPES], dtype=np.int64)
+K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q2_K, K_Q3_K, K_Q4_K, K_Q5_K, K_Q6_K = (
+    KINDS[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+)
+
+_jit = numba.njit(cache=True, fastmath=False)
+# inlined at Numba IR level into the kernel, where LLVM can see that the row buffer is a fresh allocation
+# that aliases nothing: the dequantization loops then vectorize without run-time alias checks (~3x faster)
+_jit_inline = numba.njit(cache=True, fastmath=False, inline="always")
+
+
+_F16 = formats.F16_TABLE  # 256 KB, embedded as a constant (a table lookup is ~3x faster than ldexp here)
+
+
+@_jit_inline
+def _f16(lo, hi):
+    return _F16[np.int64(lo) | (np.int64(hi) << 8)]
+
+
+@_jit_inline
+def _k_scale_min(j, r, s):
+    """K-quant 6-bit scale and min j of 8, the 12 packed bytes at r[s:s+12]."""
+    if j < 4:
+        return np.int64(r[s + j] & 63), np.int64(r[s + j + 4] & 63)
+    sc = (np.int64(r[s + j + 4]) & 0xF) | ((np.int64(r[s + j - 4]) >> 6) << 4)
+    mn = (np.int64(r[s + j + 4]) >> 4) | ((np.int64(r[s + j]) >> 6) << 4)
+    return sc, mn
+
+
+@_jit_inline
+def _int8(v):
+    return v - ((v >> 7) << 8)
+
+
+# One function per format (LLVM optimizes each on its own: ~3x faster than one function with every branch).
+# n16 is 16, passed at run time: with constant trip counts LLVM unrolls the inner loops and then vectorizes
+# the loop over blocks with gathers, ~3x slower. Each writes y (float32, nb * QK) from row r (uint8) with
+# gguf-py's float32 operations.
+
+
+@_jit_inline
+def _dq_q8_0(kind, r, nb, y, n16):
+    n32 = 2 * n16
+    r8 = r.view(np.int8)
+    for b in range(nb):
+        p, o = 34 * b, 32 * b
+        d = _f16(r[p], r[p + 1])
+        for j in range(n32):
+            y[o + j] = np.float32(r8[p + 2 + j]) * d
+
+
+@_jit_inline
+def _dq_q4_0_q5_0(kind, r, nb, y, n16):
+    n32 = 2 * n16
+    bs = 18 if kind == K_Q4_0 else 22
+    for b in range(nb):
+        p, o = bs * b, 32 * b
+        d = _f16(r[p], r[p + 1])
+        if kind == K_Q4_0:
+            qh = np.int64(0)
+            off = 8
+            qs = p + 2
+        else:
+            qh = np.int64(r[p + 2]) | (np.int64(r[p + 3]) << 8) | (np.int64(r[p + 4]) << 16) | (np.int64(r[p + 5]) << 24)
+            off = 16
+            qs = p + 6
+        for j in range(n16):
+            v = np.int64(r[qs + j])
+            y[o + j] = d * np.float32(((v & 0xF) | (((qh >> j) & 1) << 4)) - off)
+            y[o + j + 16] = d * np.float32(((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off)
+
+
+@_jit_inline
+def _dq_q4_1_q5_1(kind, r, nb, y, n16):
+    n32 = 2 * n16
+    bs = 20 if kind == K_Q4_1 else 24
+    for b in range(nb):
+        p, o = bs * b, 32 * b
+        d = _f16(r[p], r[p + 1])
+        m = _f16(r[p + 2], r[p + 3])
+        if kind == K_Q4_1:
+            qh = np.int64(0)
+            qs = p + 4
+        else:
+            qh = np.int64(r[p + 4]) | (np.int64(r[p + 5]) << 8) | (np.int64(r[p + 6]) << 16) | (np.int64(r[p + 7]) << 24)
+            qs = p + 8
+        for j in range(n16):
+            v = np.int64(r[qs + j])
+            y[o + j] = d * np.float32((v & 0xF) | (((qh >> j) & 1) << 4)) + m
+            y[o + j + 16] = d * np.float32((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m
+
+
+@_jit_inline
+def _dq_q2_k(kind, r, nb, y, n16):
+    n32 = 2 * n16
+    for b in range(nb):
+        p, o = 84 * b, 256 * b
+        d = _f16(r[p + 80], r[p + 81])
+        dmin = _f16(r[p + 82], r[p + 83])
+        for h in range(2):
+            for s in range(4):
+                for half in range(2):
+                    sc = np.int64(r[p + h * 8 + s * 2 + half])
+                    dl = d * np.float32(sc & 0xF)
+                    ml = dmin * np.float32(sc >> 4)
+                    q0 = p + 16 + h * 32 + half * 16
+                    o0 = o + h * 128 + s * 32 + half * 16
+                    for l in range(n16):
+                        y[o0 + l] = dl * np.float32((np.int64(r[q0 + l]) >> (2 * s)) & 3) - ml
+
+
+@_jit_inline
+def _dq_q3_k(kind, r, nb, y, n16):
+    n32 = 2 * n16
+    for b in range(nb):
+        p, o = 110 * b, 256 * b
+        d = _f16(r[p + 108], r[p + 109])
+        for h in range(2):
+            for s in range(4):
+                i = h * 4 + s
+                for half in range(2):
+                    k = h * 8 + s * 2 + half
+                    if k < 8:
+                        low = np.int64(r[p + 96 + k]) & 0xF
+                    else:
+                        low = np.int64(r[p + 96 + k - 8]) >> 4
+                    high = (np.int64(r[p + 104 + (k & 3)]) >> (2 * (k >> 2))) & 3
+                    dl = d * np.float32((low | (high << 4)) - 32)
+                    q0 = p + 32 + h * 32 + half * 16
+                    m0 = p + half * 16
+                    o0 = o + h * 128 + s * 32 + half * 16
+                    for l in range(n16):
+                        v = ((np.int64(r[q0 + l]) >> (2 * s)) & 3) - 4 + 4 * ((np.int64(r[m0 + l]) >> i) & 1)
+                        y[o0 + l] = dl * np.float32(v)
+
+
+@_jit_inline
+def _dq_q4_k_q5_k(kind, r, nb, y, n16):
+    n32 = 2 * n16
+    bs = 144 if kind == K_Q4_K else 176
+    for b in range(nb):
+        p, o = bs * b, 256 * b
+        d = _f16(r[p], r[p + 1])
+        dmin = _f16(r[p + 2], r[p + 3])
+        qs = p + 16 if kind == K_Q4_K else p + 48
+        for c in range(4):
+            for a in range(2):
+                j = 2 * c + a
+                sc, mn = _k_scale_min(j, r, p + 4)
+                dl = d * np.float32(sc)
+                ml = dmin * np.float32(mn)
+                for l in range(n32):
+                    v = (np.int64(r[qs + c * 32 + l]) >> (4 * a)) & 0xF
+                    if kind == K_Q5_K:
+                        v |= ((np.int64(r[p + 16 + l]) >> j) & 1) << 4
+                    y[o + j * 32 + l] = dl * np.float32(v) - ml
+
+
+@_jit_inline
+def _dq_q6_k(kind, r, nb, y, n16):
+    n32 = 2 * n16
+    for b in range(nb):
+        p, o = 210 * b, 256 * b
+        d = _f16(r[p + 208], r[p + 209])
+        for h in range(2):
+            for s in range(4):
+                for half in range(2):
+                    sc = np.int64(r[p + 192 + h * 8 + s * 2 + half])
+                    dl = d * np.float32(_int8(sc))
+                    lo0 = p + h * 64 + (s & 1) * 32 + half * 16
+                    hi0 = p + 128 + h * 32 + half * 16
+                    o0 = o + h * 128 + s * 32 + half * 16
+                    sh_lo, sh_hi = 4 * (s >> 1), 2 * s
+                    for l in range(n16):
+                        lo = (np.int64(r[lo0 + l]) >> sh_lo) & 0xF
+                        hi = (np.int64(r[hi0 + l]) >> sh_hi) & 3
+                        y[o0 + l] = dl * np.float32((lo | (hi << 4)) - 32)
+
+
+@numba.njit(cache=True, fastmath={"reassoc"})
+def _dot(a, b):
+    """float32 dot of two contiguous vectors; LLVM may reassociate (vectorize) the sum."""
+    s = np.float32(0.0)
+    for i in range(a.shape[0]):
+        s += a[i] * b[i]
+    return s
+
+
+BLAS_MIN_T = 16  # from this many tokens on: dequantize panels of rows, multiply them with np.dot (BLAS)
+
+
+@_jit
+def _chunks(n_out):
+    return min(n_out, 64)
+
+
+@_jit
+def _panel_rows(n_in, n_out):
+    """Rows per dequantized panel: ~4 MB of float32."""
+    return max(16, min(n_out, (1048576 // n_in) // 16 * 16))
+
+
+# One driver per format, so that each is compiled (and cached) on its own, only when used. In each, for
+# T < BLAS_MIN_T: output rows in prange chunks; a chunk dequantizes one row at a time into `row`, then dots
+# it with every token. For T >= BLAS_MIN_T (prefill): panels of rows are dequantized (prange over rows)
+# and multiplied with np.dot. n16 = 16 at run time (see above).
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_q8_0(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_q8_0(K_Q8_0, w[o0 + r], n_in // 32, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_q8_0(K_Q8_0, w[o], n_in // 32, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_q4_0(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_q4_0_q5_0(K_Q4_0, w[o0 + r], n_in // 32, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_q4_0_q5_0(K_Q4_0, w[o], n_in // 32, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_q5_0(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_q4_0_q5_0(K_Q5_0, w[o0 + r], n_in // 32, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_q4_0_q5_0(K_Q5_0, w[o], n_in // 32, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_q4_1(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_q4_1_q5_1(K_Q4_1, w[o0 + r], n_in // 32, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_q4_1_q5_1(K_Q4_1, w[o], n_in // 32, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_q5_1(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_q4_1_q5_1(K_Q5_1, w[o0 + r], n_in // 32, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_q4_1_q5_1(K_Q5_1, w[o], n_in // 32, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_q2_k(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_q2_k(K_Q2_K, w[o0 + r], n_in // 256, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_q2_k(K_Q2_K, w[o], n_in // 256, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_q3_k(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_q3_k(K_Q3_K, w[o0 + r], n_in // 256, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_q3_k(K_Q3_K, w[o], n_in // 256, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_q4_k(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_q4_k_q5_k(K_Q4_K, w[o0 + r], n_in // 256, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_q4_k_q5_k(K_Q4_K, w[o], n_in // 256, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_q5_k(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_q4_k_q5_k(K_Q5_K, w[o0 + r], n_in // 256, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_q4_k_q5_k(K_Q5_K, w[o], n_in // 256, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_q6_k(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_q6_k(K_Q6_K, w[o0 + r], n_in // 256, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_q6_k(K_Q6_K, w[o], n_in // 256, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+
+DRIVERS = {
+    "Q4_0": qmatmul_q4_0,
+    "Q4_1": qmatmul_q4_1,
+    "Q5_0": qmatmul_q5_0,
+    "Q5_1": qmatmul_q5_1,
+    "Q8_0": qmatmul_q8_0,
+    "Q2_K": qmatmul_q2_k,
+    "Q3_K": qmatmul_q3_k,
+    "Q4_K": qmatmul_q4_k,
+    "Q5_K": qmatmul_q5_k,
+    "Q6_K": qmatmul_q6_k,
+}
+
+
+@numba.njit(cache=True, fastmath=False)
+def embed(kind, w, idx, n_in):
+    """Rows idx of w (uint8 GGUF rows) dequantized exactly: (len(idx), n_in) float32 (one driver, all types)."""
+    n_rows = w.shape[0]
+    n16 = 16 + (n_in >> 62)
+    y = np.empty((idx.shape[0], n_in), dtype=np.float32)
+    for t in range(idx.shape[0]):
+        r = idx[t]
+        if r < -n_rows or r >= n_rows:
+            raise IndexError("QuantizedEmbedding: index out of bounds")
+        row = w[r if r >= 0 else r + n_rows]
+        out = y[t]
+        if kind == K_Q8_0:
+            _dq_q8_0(kind, row, n_in // 32, out, n16)
+        elif kind == K_Q4_0 or kind == K_Q5_0:
+            _dq_q4_0_q5_0(kind, row, n_in // 32, out, n16)
+        elif kind == K_Q4_1 or kind == K_Q5_1:
+            _dq_q4_1_q5_1(kind, row, n_in // 32, out, n16)
+        elif kind == K_Q2_K:
+            _dq_q2_k(kind, row, n_in // 256, out, n16)
+        elif kind == K_Q3_K:
+            _dq_q3_k(kind, row, n_in // 256, out, n16)
+        elif kind == K_Q4_K or kind == K_Q5_K:
+            _dq_q4_k_q5_k(kind, row, n_in // 256, out, n16)
+        else:
+            _dq_q6_k(kind, row, n_in // 256, out, n16)
+    return y
+
+
+def qmatmul(ggml_type: str, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """(T, n_in) float32 @ dequant(w (n_out, row_bytes) uint8).T -> (T, n_out) float32 (from Python)."""
+    return DRIVERS[ggml_type](np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w, dtype=np.uint8))
+
+
+def register_numba():
+    """Register the kernels with PyTensor's Numba backend (idempotent; imports numba's dispatch)."""
+    global _registered
+    if _registered:
+        return
+    from pytensor.link.numba.dispatch import basic as numba_basic
+    from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
+
+    from alchemist.kernels.op import QuantizedEmbedding, QuantizedMatmul
+
+    @register_funcify_default_op_cache_key(QuantizedEmbedding)
+    def numba_funcify_QuantizedEmbedding(op, node=None, **kwargs):
+        kind, n_rows, n_in, row_bytes = KINDS[op.ggml_type], op.n_rows, op.n_in, op.row_bytes
+
+        @numba_basic.numba_njit
+        def quantized_embedding(w, idx):
+            if w.shape[0] != n_rows or w.shape[1] != row_bytes:
+                raise ValueError("QuantizedEmbedding: w does not have the shape the Op was built for")
+            return embed(kind, np.ascontiguousarray(w), idx, n_in)
+
+        return quantized_embedding, _SOURCE_VERSION
+
+    @register_funcify_default_op_cache_key(QuantizedMatmul)
+    def numba_funcify_QuantizedMatmul(op, node=None, **kwargs):
+        driver = DRIVERS[op.ggml_type]
+        n_out, n_in, row_bytes = op.n_out, op.n_in, op.row_bytes
+
+        @numba_basic.numba_njit
+        def quantized_matmul(x, w):
+            if x.shape[1] != n_in or w.shape[0] != n_out or w.shape[1] != row_bytes:
+                raise ValueError("QuantizedMatmul: x or w does not have the shape the Op was built for")
+            return driver(np.ascontiguousarray(x), np.ascontiguousarray(w))
+
+        # PyTensor caches the compiled wrapper (with our driver linked in) under a key made of the Op's props
+        # and this integer: salt it with this file's source, so that editing the kernels invalidates it.
+        return quantized_matmul, _SOURCE_VERSION
+
+    _registered = True
+
+
+_registered = False
+_SOURCE_VERSION = int(hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12], 16)

@@ -1,0 +1,279 @@
+"""alchemist.kernels: quantized matmuls == gguf-py dequantize-then-matmul, on every backend."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from alchemist.runtime.backends import configure_pytensor
+
+configure_pytensor()
+
+import pytensor  # noqa: E402
+import pytensor.tensor as pt  # noqa: E402
+
+from alchemist.kernels import (  # noqa: E402
+    BLOCK_SIZES,
+    SUPPORTED_TYPES,
+    QuantizedMatmul,
+    as_blocks,
+    quantized_embedding,
+    dequantize_rows,
+    quantized_linear,
+    row_bytes,
+)
+from alchemist.kernels.formats import reference_dequantize  # noqa: E402
+from alchemist.runtime.backends import get_mode  # noqa: E402
+
+# byte offsets of the fp16 scale fields (d, and m / dmin where present) in each block
+SCALE_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+REFERENCE_TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+BACKENDS = ("c", "numba", "jax", "mlx")
+EXTREME_F16 = np.array([65504.0, -65504.0, 6.0e-8, -6.0e-8, 6.1e-5, 0.0, -0.0, 1.0, -2.5, 1024.0], dtype=np.float16)
+
+
+def random_blocks(rng, ggml_type, n_out, n_in, scales=None):
+    """Random quant bytes with finite fp16 scales (normal(0, 0.05) unless `scales`, a pool to draw from)."""
+    qk, bs = BLOCK_SIZES[ggml_type]
+    blocks = rng.integers(0, 256, size=(n_out, n_in // qk, bs), dtype=np.uint8)
+    for off in SCALE_FIELDS[ggml_type]:
+        if scales is None:
+            values = (rng.standard_normal(blocks.shape[:2]) * 0.05).astype(np.float16)
+        else:
+            values = rng.choice(scales, size=blocks.shape[:2])
+        blocks[:, :, off : off + 2] = values.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(n_out, -1)
+
+
+def reference(x, raw, ggml_type):
+    weights = reference_dequantize(raw, ggml_type).astype(np.float64)
+    return x.astype(np.float64) @ weights.T, np.abs(x.astype(np.float64)) @ np.abs(weights).T
+
+
+def assert_close(y, x, raw, ggml_type):
+    """|y - x @ W.T| <= 1e-5 * (|x| @ |W|.T): float32 summation-order differences only."""
+    ref, magnitude = reference(x, raw, ggml_type)
+    assert y.dtype == np.float32 and y.shape == ref.shape
+    tol = 1e-5 * magnitude + 1e-30
+    err = np.abs(y.astype(np.float64) - ref)
+    assert np.all(err <= tol), f"{ggml_type}: max error {np.max(err / tol):.2f} x tolerance"
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """(backend, ggml_type, n_out, n_in) -> f(x, w), compiled once per session.
+
+    On C one module serves every shape of a type (n_out / n_in are run-time parameters); Numba compiles one
+    driver per type; JAX and MLX trace per shape.
+    """
+    cache = {}
+
+    def get(backend, ggml_type, n_out, n_in):
+        key = (backend, ggml_type, n_out, n_in)
+        if key not in cache:
+            pytest.importorskip({"c": "pytensor", "numba": "numba", "jax": "jax", "mlx": "mlx"}[backend])
+            x = pt.matrix("x", dtype="float32")
+            w = pt.matrix("w", dtype="uint8", shape=(n_out, row_bytes(ggml_type, n_in)))
+            cache[key] = pytensor.function([x, w], quantized_linear(x, w, ggml_type, n_out, n_in), mode=get_mode(backend))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_tensors():
+    """ggml type -> (name, 64 rows of a real tensor's bytes, n_in), from the reference GGUFs."""
+    from alchemist.gguf_io import read_gguf
+    from alchemist.models import reference_model_path
+
+    found = {}
+    for model in ("gemma-3-270m", "qwen2.5-coder-0.5b"):
+        try:
+            path = reference_model_path(model)
+        except Exception:  # noqa: BLE001
+            continue
+        facts = read_gguf(path)
+        for name, info in facts.tensors.items():
+            if info.ggml_type in REFERENCE_TYPES and info.ggml_type not in found and len(info.shape) == 2:
+                n_out, n_in = info.shape
+                rows = as_blocks(facts.tensor_bytes(name), info.ggml_type, info.shape)
+                start = (n_out // 2) // 64 * 64
+                found[info.ggml_type] = (f"{model}:{name}", np.array(rows[start : start + 64]), n_in)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ggml_type", SUPPORTED_TYPES)
+def test_numpy_dequantizer_matches_gguf(ggml_type):
+    rng = np.random.default_rng(1)
+    qk, _ = BLOCK_SIZES[ggml_type]
+    raw = rng.integers(0, 256, size=(6, row_bytes(ggml_type, 3 * qk)), dtype=np.uint8)  # any bytes, nan too
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.testing.assert_array_equal(dequantize_rows(np, raw, ggml_type, 6, 3 * qk), reference_dequantize(raw, ggml_type))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ggml_type", SUPPORTED_TYPES)
+def test_random_blocks(compiled, backend, ggml_type):
+    rng = np.random.default_rng(zlib.crc32(f"{backend}{ggml_type}".encode()))
+    qk, _ = BLOCK_SIZES[ggml_type]
+    n_out, n_in = 19, 3 * qk
+    f = compiled(backend, ggml_type, n_out, n_in)
+    raw = random_blocks(rng, ggml_type, n_out, n_in)
+    for n_tokens in (1, 5):
+        x = rng.standard_normal((n_tokens, n_in)).astype(np.float32)
+        assert_close(np.asarray(f(x, raw)), x, raw, ggml_type)
+
+
+@pytest.mark.parametrize("backend", ("c", "numba"))
+@pytest.mark.parametrize("ggml_type", SUPPORTED_TYPES)
+def test_extreme_scales(compiled, backend, ggml_type):
+    """fp16 scales at max, subnormal, zero, negative zero; activations spanning 1e-30..1e4."""
+    rng = np.random.default_rng(7)
+    qk, _ = BLOCK_SIZES[ggml_type]
+    n_out, n_in = 8, 2 * qk
+    f = compiled(backend, ggml_type, n_out, n_in)
+    raw = random_blocks(rng, ggml_type, n_out, n_in, scales=EXTREME_F16)
+    for n_tokens in (1, 5):
+        x = (rng.standard_normal((n_tokens, n_in)) * 10.0 ** rng.integers(-30, 4, size=(n_tokens, n_in)))
+        assert_close(np.asarray(f(x.astype(np.float32), raw)), x.astype(np.float32), raw, ggml_type)
+
+
+@pytest.mark.parametrize("backend", ("c", "numba"))
+def test_non_finite_scales_propagate(compiled, backend):
+    rng = np.random.default_rng(3)
+    raw = random_blocks(rng, "Q8_0", 4, 64)
+    raw[1, 0:2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    raw[2, 34:36] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    y = np.asarray(compiled(backend, "Q8_0", 4, 64)(np.ones((1, 64), np.float32), raw))
+    assert np.isfinite(y[0, [0, 3]]).all() and not np.isfinite(y[0, 1]) and np.isnan(y[0, 2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ggml_type", REFERENCE_TYPES)
+def test_real_tensor_rows(compiled, reference_tensors, backend, ggml_type):
+    if ggml_type not in reference_tensors:
+        pytest.skip("reference model not assembled")
+    name, raw, n_in = reference_tensors[ggml_type]
+    f = compiled(backend, ggml_type, raw.shape[0], n_in)
+    rng = np.random.default_rng(5)
+    for n_tokens in (1, 5):
+        x = rng.standard_normal((n_tokens, n_in)).astype(np.float32)
+        assert_close(np.asarray(f(x, raw)), x, raw, ggml_type)
+
+
+def test_c_and_numba_agree_on_long_prefill(compiled):
+    """T above the C kernel's token chunk (32) and a row count that is not a multiple of its row group (4)."""
+    rng = np.random.default_rng(11)
+    raw = random_blocks(rng, "Q4_K", 7, 512)
+    x = rng.standard_normal((70, 512)).astype(np.float32)
+    for backend in ("c", "numba"):
+        assert_close(np.asarray(compiled(backend, "Q4_K", 7, 512)(x, raw)), x, raw, "Q4_K")
+
+
+def test_perform_and_non_contiguous_inputs():
+    rng = np.random.default_rng(2)
+    raw = random_blocks(rng, "Q6_K", 6, 512)
+    x = pt.matrix("x", dtype="float32")
+    w = pt.matrix("w", dtype="uint8")
+    y = quantized_linear(x.T, w, "Q6_K", 6, 512)  # x.T: a non-contiguous input
+    xv = rng.standard_normal((512, 3)).astype(np.float32)
+    for mode in (get_mode("c"), pytensor.compile.mode.Mode(linker="py", optimizer=None)):
+        f = pytensor.function([x, w], y, mode=mode)
+        assert_close(f(xv, raw), np.ascontiguousarray(xv.T), raw, "Q6_K")
+
+
+def test_shape_errors():
+    x = pt.matrix("x", dtype="float32")
+    w = pt.matrix("w", dtype="uint8")
+    with pytest.raises(NotImplementedError):
+        QuantizedMatmul("IQ2_XS", 4, 256)
+    with pytest.raises(ValueError):
+        QuantizedMatmul("Q4_K", 4, 100)
+    with pytest.raises(TypeError):
+        quantized_linear(x.astype("float64"), w, "Q8_0", 4, 64)
+    with pytest.raises(ValueError):
+        quantized_linear(x, pt.matrix("w", dtype="uint8", shape=(4, 60)), "Q8_0", 4, 64)
+    f = pytensor.function([x, w], quantized_linear(x, w, "Q8_0", 4, 64), mode=get_mode("c"))
+    with pytest.raises(ValueError):
+        f(np.ones((1, 64), np.float32), np.zeros((4, 60), np.uint8))
+    with pytest.raises(ValueError):  # n_out differs from the Op's
+        f(np.ones((1, 64), np.float32), np.zeros((5, 68), np.uint8))
+    with pytest.raises(ValueError):
+        as_blocks(np.zeros(100, np.uint8), "Q8_0", (4, 64))
+
+
+def test_as_blocks_is_a_view():
+    raw = np.zeros(4 * 68, np.uint8)
+    blocks = as_blocks(raw, "Q8_0", (4, 64))
+    assert blocks.shape == (4, 68) and np.shares_memory(blocks, raw)
+
+
+def test_c_rows_of_a_small_batch_equal_single_token_products(compiled):
+    """Below the BLAS threshold the C kernel applies the same operations per token, whatever T is."""
+    rng = np.random.default_rng(4)
+    raw = random_blocks(rng, "Q5_0", 9, 640)
+    f = compiled("c", "Q5_0", 9, 640)
+    x = rng.standard_normal((5, 640)).astype(np.float32)
+    batch = f(x, raw)
+    for t in range(5):
+        np.testing.assert_array_equal(batch[t], f(x[t : t + 1], raw)[0])
+
+
+@pytest.fixture(scope="session")
+def compiled_embedding():
+    cache = {}
+
+    def get(backend, ggml_type, n_rows, n_in, n_tokens):
+        key = (backend, ggml_type, n_rows, n_in, n_tokens)
+        if key not in cache:
+            w = pt.matrix("w", dtype="uint8", shape=(n_rows, row_bytes(ggml_type, n_in)))
+            idx = pt.vector("idx", dtype="int64", shape=(n_tokens,))
+            y = quantized_embedding(w, idx, ggml_type, n_rows, n_in)
+            cache[key] = pytensor.function([w, idx], y, mode=get_mode(backend))
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ggml_type", ("Q8_0", "Q5_0", "Q4_K", "Q6_K", "Q2_K", "Q4_1"))
+def test_embedding_is_exact(compiled_embedding, backend, ggml_type):
+    """quantized_embedding(w, idx) == gguf-py's dequantize(w)[idx], bit for bit."""
+    rng = np.random.default_rng(zlib.crc32(f"emb{backend}{ggml_type}".encode()))
+    qk, _ = BLOCK_SIZES[ggml_type]
+    raw = random_blocks(rng, ggml_type, 11, 2 * qk)
+    idx = np.array([3, 0, 10, 3, -1], dtype=np.int64)
+    f = compiled_embedding(backend, ggml_type, 11, 2 * qk, len(idx))
+    np.testing.assert_array_equal(np.asarray(f(raw, idx)), reference_dequantize(raw, ggml_type)[idx])
+
+
+@pytest.mark.parametrize("backend", ("c", "numba"))
+def test_embedding_index_out_of_range(compiled_embedding, backend):
+    raw = random_blocks(np.random.default_rng(0), "Q8_0", 4, 32)
+    with pytest.raises(IndexError):
+        compiled_embedding(backend, "Q8_0", 4, 32, 2)(raw, np.array([1, 4], dtype=np.int64))
+
+
+def test_gradient_with_respect_to_x():
+    rng = np.random.default_rng(6)
+    raw = random_blocks(rng, "Q4_K", 3, 256)
+    x = pt.matrix("x", dtype="float32")
+    w = pt.matrix("w", dtype="uint8", shape=raw.shape)
+    g = pytensor.grad(quantized_linear(x, w, "Q4_K", 3, 256).sum(), x)
+    f = pytensor.function([x, w], g, mode=get_mode("c"))
+    expected = np.broadcast_to(reference_dequantize(raw, "Q4_K").sum(axis=0), (2, 256))
+    np.testing.assert_allclose(f(np.ones((2, 256), np.float32), raw), expected, rtol=1e-5, atol=1e-6)
