@@ -101,13 +101,19 @@ def main(argv=None) -> int:
         if key not in functions:
             x = pt.matrix("x", dtype="float32", shape=(1, n_in))
             w = pt.matrix("w", dtype="uint8", shape=(n_out, row_bytes(ggml_type, n_in)))
-            functions[key] = pytensor.function([x, w], quantized_linear(x, w, ggml_type, n_out, n_in), mode=get_mode(backend))
+            functions[key] = pytensor.function(
+                [x, w], quantized_linear(x, w, ggml_type, n_out, n_in), mode=get_mode(backend)
+            )
         return functions[key]
 
     threads = {v: os.environ.get(v, "-") for v in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     print(f"# {os.cpu_count()} CPUs, threads {threads}, BLAS {blas_info()}, best of {args.reps}")
-    print(f"{'case':27} {'type':5} {'n_out x n_in':>13} {'MB q':>7} " + " ".join(f"{b + ' ms':>9} {b + ' GB/s':>10}" for b in backends)
-          + f" {'f32 ms':>9} {'f32 GB/s':>9} " + " ".join(f"{'x f32 ' + b:>10}" for b in backends))
+    print(
+        f"{'case':27} {'type':5} {'n_out x n_in':>13} {'MB q':>7} "
+        + " ".join(f"{b + ' ms':>9} {b + ' GB/s':>10}" for b in backends)
+        + f" {'f32 ms':>9} {'f32 GB/s':>9} "
+        + " ".join(f"{'x f32 ' + b:>10}" for b in backends)
+    )
     ratios = {b: [] for b in backends}
     for label, model, name, ggml_type, (n_out, n_in) in CASES:
         if model is not None:
@@ -132,8 +138,12 @@ def main(argv=None) -> int:
         t32 = best_of(lambda: x @ weights.T, args.reps)
         for b in backends:
             ratios[b].append(t32 / times[b])
-        print(f"{label:27} {ggml_type:5} {f'{n_out}x{n_in}':>13} {raw.nbytes / 1e6:7.2f} " + " ".join(cells)
-              + f" {t32 * 1e3:9.3f} {weights.nbytes / t32 / 1e9:9.2f} " + " ".join(f"{t32 / times[b]:9.2f}x" for b in backends))
+        print(
+            f"{label:27} {ggml_type:5} {f'{n_out}x{n_in}':>13} {raw.nbytes / 1e6:7.2f} "
+            + " ".join(cells)
+            + f" {t32 * 1e3:9.3f} {weights.nbytes / t32 / 1e9:9.2f} "
+            + " ".join(f"{t32 / times[b]:9.2f}x" for b in backends)
+        )
         del weights
     geo = {b: math.exp(sum(map(math.log, r)) / len(r)) for b, r in ratios.items()}
 
@@ -152,8 +162,13 @@ def main(argv=None) -> int:
         t_c = min(best_of(run_c, 3) for _ in range(1))
         q_bytes = sum(r.nbytes for r in raws.values())
         del raws
-        f32 = [(reference_dequantize(np.array(as_blocks(gemma.tensor_bytes(n), i.ggml_type, i.shape)), i.ggml_type), xs[i.shape[1]])
-               for n, i in linear]
+        f32 = [
+            (
+                reference_dequantize(np.array(as_blocks(gemma.tensor_bytes(n), i.ggml_type, i.shape)), i.ggml_type),
+                xs[i.shape[1]],
+            )
+            for n, i in linear
+        ]
 
         def run_f32():
             for w, x in f32:
@@ -162,12 +177,17 @@ def main(argv=None) -> int:
         t_f = best_of(run_f32, 3)
         f_bytes = sum(w.nbytes for w, _ in f32)
         del f32
-        print(f"decode sweep, gemma-3-270m, {len(linear)} weights: C kernels {t_c * 1e3:.1f} ms ({q_bytes / 1e6:.0f} MB, "
-              f"{q_bytes / t_c / 1e9:.1f} GB/s) vs float32 numpy {t_f * 1e3:.1f} ms ({f_bytes / 1e6:.0f} MB, "
-              f"{f_bytes / t_f / 1e9:.1f} GB/s): {t_f / t_c:.2f}x")
+        print(
+            f"decode sweep, gemma-3-270m, {len(linear)} weights: C kernels {t_c * 1e3:.1f} ms ({q_bytes / 1e6:.0f} MB, "
+            f"{q_bytes / t_c / 1e9:.1f} GB/s) vs float32 numpy {t_f * 1e3:.1f} ms ({f_bytes / 1e6:.0f} MB, "
+            f"{f_bytes / t_f / 1e9:.1f} GB/s): {t_f / t_c:.2f}x"
+        )
         sweep = f"; gemma decode-step matvecs C {t_c * 1e3:.1f} ms vs float32 {t_f * 1e3:.1f} ms ({t_f / t_c:.2f}x)"
-    print("summary: T=1 speed vs float32 numpy, geometric mean over cases: "
-          + ", ".join(f"{b} {g:.2f}x" for b, g in geo.items()) + sweep)
+    print(
+        "summary: T=1 speed vs float32 numpy, geometric mean over cases: "
+        + ", ".join(f"{b} {g:.2f}x" for b, g in geo.items())
+        + sweep
+    )
     return 0
 
 

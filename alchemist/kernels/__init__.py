@@ -1,21 +1,30 @@
 """Matmuls against weights kept in GGUF block format (no float32 copy of the weights).
 
-    y = quantized_linear(x, w_blocks, "Q5_0", n_out, n_in)     # == x @ dequantize(w_blocks).T
+    y = quantized_linear(x, w_blocks, "Q5_0", n_out, n_in)      # == x @ dequantize(w_blocks).T
+    e = quantized_embedding(w_blocks, tokens, "Q8_0", n_rows, n_in)  # == dequantize(w_blocks)[tokens]
 
 x: symbolic (T, n_in) float32. w_blocks: (n_out, row_bytes) uint8, the tensor's GGUF bytes one row per
-output (`raw.reshape(n_out, -1)`), no repacking: load is a reshape of the mmap (`as_blocks`). Result:
-symbolic (T, n_out) float32.
+output (`raw.reshape(n_out, -1)`, see `as_blocks`); no repacking. Result: symbolic (T, n_out) float32.
+Types: SUPPORTED_TYPES = Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K. The Ops check at run time that
+the arrays have the (n_out, n_in) they were built for (on C these are run-time parameters, so one compiled
+module serves every shape of a type).
 
-Per backend (one Op, `QuantizedMatmul`):
-  C (CVM)   C++ kernels, OpenMP over output rows, vectorized per block (alchemist/kernels/c_kernels.py)
-  Numba     njit(parallel=True) kernels, prange over output rows (alchemist/kernels/numba_kernels.py)
-  JAX, MLX  rewritten into plain PyTensor ops: dot(x, dequantize_rows(w).T) - correct, but dequantizes
-            the whole weight on every call (keep float32 weights on these backends for speed)
+Per backend (Ops `QuantizedMatmul`, `QuantizedEmbedding`):
+  C (CVM)   C++ kernels (AVX-512 / AVX2 intrinsics, portable fallback), OpenMP over output rows;
+            T >= 16: ~4 MB panels of rows dequantized exactly, then sgemm (alchemist/kernels/c_kernels.py)
+  Numba     njit(parallel=True) drivers per type, prange over output rows; T >= 16: panels + np.dot
+            (alchemist/kernels/numba_kernels.py); registered with PyTensor's Numba dispatch on first use
+  JAX, MLX  rewritten (rewrite tagged "jax"/"mlx" only) into plain PyTensor ops: dot(x, dequantize_rows(w).T)
+            - correct, but dequantizes the whole weight on every call (keep float32 weights there)
   other     `perform`: gguf-py's numpy dequantizer, then a numpy dot
 
-Numerics: each weight is dequantized exactly as gguf-py does (float32 d*q, d*q+m or d*q-m); products are
-accumulated in float32 (16 independent lanes per row, summed pairwise), so results equal
-dequantize-then-matmul up to float32 summation order.
+Numerics (all float32; results equal dequantize-then-matmul up to float32 summation order):
+  C, T < 16    per sub-block of 16/32 weights: dl * sum(q * x) (+ mb * sum(x)), dl and mb computed as gguf-py
+               does, vector lanes summed pairwise; row t of a T-token product == the 1-token product
+  C, T >= 16   exact gguf-py dequantization (bit for bit, no FMA contraction) of a panel, then sgemm
+  Numba        exact gguf-py dequantization of each row, then a float32 dot (the dot alone is compiled with
+               fastmath={"reassoc"} so LLVM vectorizes it; no nnan/ninf, so nan/inf propagate); T >= 16: np.dot
+  embedding    bit-exact gguf-py dequantization of the selected rows, on every backend
 """
 
 from __future__ import annotations
@@ -56,17 +65,20 @@ def quantized_embedding(w_blocks, indices, ggml_type: str, n_rows: int, n_in: in
     return QuantizedEmbedding(ggml_type, n_rows, n_in)(w_blocks, indices)
 
 
-def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]) -> np.ndarray:
+def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...], copy: bool = True) -> np.ndarray:
     """A tensor's raw GGUF bytes (flat uint8) -> the (n_out, row_bytes) uint8 matrix `quantized_linear` takes.
 
-    shape is numpy order (n_out, n_in); no copy is made (the result is a view of `raw`).
+    shape is numpy order (n_out, n_in). By default the result is a private C-contiguous copy (a numpy
+    allocation, which numpy backs with huge pages, and independent of the file's memory map: ~0.1 s for
+    250 MB); copy=False returns a view of `raw`.
     """
     n_out, n_in = shape
     rb = row_bytes(ggml_type, n_in)
-    raw = np.asarray(raw).view(np.uint8).reshape(-1)
-    if raw.size != n_out * rb:
-        raise ValueError(f"{ggml_type} {shape}: {raw.size} bytes, expected {n_out} rows of {rb}")
-    return raw.reshape(n_out, rb)
+    flat = np.asarray(raw).view(np.uint8).reshape(-1)
+    if flat.size != n_out * rb:
+        raise ValueError(f"{ggml_type} {tuple(shape)}: {flat.size} bytes, expected {n_out} rows of {rb}")
+    blocks = flat.reshape(n_out, rb)
+    return np.array(blocks) if copy else blocks
 
 
 def register_numba() -> None:

@@ -83,7 +83,9 @@ def _dq_q4_0_q5_0(kind, r, nb, y, n16):
             off = 8
             qs = p + 2
         else:
-            qh = np.int64(r[p + 2]) | (np.int64(r[p + 3]) << 8) | (np.int64(r[p + 4]) << 16) | (np.int64(r[p + 5]) << 24)
+            qh = (
+                np.int64(r[p + 2]) | (np.int64(r[p + 3]) << 8) | (np.int64(r[p + 4]) << 16) | (np.int64(r[p + 5]) << 24)
+            )
             off = 16
             qs = p + 6
         for j in range(n16):
@@ -104,7 +106,9 @@ def _dq_q4_1_q5_1(kind, r, nb, y, n16):
             qh = np.int64(0)
             qs = p + 4
         else:
-            qh = np.int64(r[p + 4]) | (np.int64(r[p + 5]) << 8) | (np.int64(r[p + 6]) << 16) | (np.int64(r[p + 7]) << 24)
+            qh = (
+                np.int64(r[p + 4]) | (np.int64(r[p + 5]) << 8) | (np.int64(r[p + 6]) << 16) | (np.int64(r[p + 7]) << 24)
+            )
             qs = p + 8
         for j in range(n16):
             v = np.int64(r[qs + j])
@@ -468,7 +472,6 @@ def qmatmul_q6_k(x, w):
     return y
 
 
-
 DRIVERS = {
     "Q4_0": qmatmul_q4_0,
     "Q4_1": qmatmul_q4_1,
@@ -525,6 +528,8 @@ def register_numba():
     from pytensor.link.numba.dispatch import basic as numba_basic
     from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
 
+    from numba.np.ufunc.parallel import _launch_threads
+
     from alchemist.kernels.op import QuantizedEmbedding, QuantizedMatmul
 
     @register_funcify_default_op_cache_key(QuantizedEmbedding)
@@ -541,6 +546,9 @@ def register_numba():
 
     @register_funcify_default_op_cache_key(QuantizedMatmul)
     def numba_funcify_QuantizedMatmul(op, node=None, **kwargs):
+        # PyTensor may load the whole compiled graph (our prange driver linked in) from its own cache; Numba
+        # then never starts its threading layer and the first prange segfaults. Start it here (idempotent).
+        _launch_threads()
         driver = DRIVERS[op.ggml_type]
         n_out, n_in, row_bytes = op.n_out, op.n_in, op.row_bytes
 

@@ -86,7 +86,6 @@ class _KernelCOp(COp):
         return _c_version()
 
 
-
 class QuantizedMatmul(_KernelCOp):
     """x (T, n_in) float32, w (n_out, row_bytes) uint8 GGUF rows -> (T, n_out) float32 = x @ dequant(w).T."""
 
@@ -115,7 +114,9 @@ class QuantizedMatmul(_KernelCOp):
             (w.type.shape[1], self.row_bytes, "w.shape[1]"),
         ):
             if got is not None and got != want:
-                raise ValueError(f"QuantizedMatmul({self.ggml_type}, {self.n_out}, {self.n_in}): {what} is {got}, expected {want}")
+                raise ValueError(
+                    f"QuantizedMatmul({self.ggml_type}, {self.n_out}, {self.n_in}): {what} is {got}, expected {want}"
+                )
         out = TensorType("float32", shape=(x.type.shape[0], self.n_out))()
         return Apply(self, [x, w], [out])
 
@@ -207,7 +208,6 @@ class QuantizedMatmul(_KernelCOp):
         """
 
 
-
 class QuantizedEmbedding(_KernelCOp):
     """Rows of GGUF-quantized weights, dequantized: w (n_rows, row_bytes) uint8, idx (T,) int -> (T, n_in) float32.
 
@@ -232,12 +232,19 @@ class QuantizedEmbedding(_KernelCOp):
         w = pt.as_tensor_variable(w)
         idx = pt.as_tensor_variable(idx)
         if w.type.ndim != 2 or w.type.dtype != "uint8":
-            raise TypeError(f"QuantizedEmbedding: w must be a uint8 matrix ({self.n_rows}, {self.row_bytes}), got {w.type}")
+            raise TypeError(
+                f"QuantizedEmbedding: w must be a uint8 matrix ({self.n_rows}, {self.row_bytes}), got {w.type}"
+            )
         if idx.type.ndim != 1 or not idx.type.dtype.startswith(("int", "uint")):
             raise TypeError(f"QuantizedEmbedding: idx must be an integer vector, got {idx.type}")
-        for got, want, what in ((w.type.shape[0], self.n_rows, "w.shape[0]"), (w.type.shape[1], self.row_bytes, "w.shape[1]")):
+        for got, want, what in (
+            (w.type.shape[0], self.n_rows, "w.shape[0]"),
+            (w.type.shape[1], self.row_bytes, "w.shape[1]"),
+        ):
             if got is not None and got != want:
-                raise ValueError(f"QuantizedEmbedding({self.ggml_type}, {self.n_rows}, {self.n_in}): {what} is {got}, expected {want}")
+                raise ValueError(
+                    f"QuantizedEmbedding({self.ggml_type}, {self.n_rows}, {self.n_in}): {what} is {got}, expected {want}"
+                )
         idx = pt.cast(idx, "int64")
         out = TensorType("float32", shape=(idx.type.shape[0], self.n_in))()
         return Apply(self, [w, idx], [out])
