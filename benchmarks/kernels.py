@@ -28,7 +28,127 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-sweep", action="store_true", help="skip the whole-model decode sweep")
     ap.add_argument("--no-numba", action="store_true")
+    ap.add_argument("--e2e", action="store_true", help="only the end-to-end demo of the proposed template change")
+    ap.add_argument("--e2e-backend", default="c")
+    ap.add_argument("--e2e-tokens", type=int, default=16)
     return ap.parse_args(argv)
+
+
+# The proposed template change, applied to a generated module's text (see kernel_module()).
+KERNEL_HELPERS = '''
+
+# Quantized weights of these types stay in GGUF blocks (uint8 (n_out, row_bytes)) when load_weights is asked
+# to; the graph then multiplies them with alchemist.kernels (C / Numba kernels; JAX / MLX dequantize per call).
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def project(x, w, name):
+    """x @ W.T for the weight `name`: the quantized kernel when it stayed in GGUF blocks, else linear()."""
+    if w[name].dtype == "uint8":
+        ggml_type, (n_out, n_in) = TENSORS[name][0], TENSORS[name][1]
+        return quantized_linear(x, w[name], ggml_type, n_out, n_in)
+    return linear(x, w[name])
+
+
+def embed(w, tokens):
+    """Token embedding rows (dequantized exactly when token_embd stayed in GGUF blocks)."""
+    if w["token_embd.weight"].dtype == "uint8":
+        ggml_type = TENSORS["token_embd.weight"][0]
+        return quantized_embedding(w["token_embd.weight"], tokens, ggml_type, N_VOCAB, N_EMBD)
+    return w["token_embd.weight"][tokens]
+'''
+
+
+def kernel_module(text: str) -> str:
+    """The generated module with the proposed change: load_weights(path, progress, quantized=True) keeps
+    KERNEL_TYPES matrices as GGUF blocks; projections go through project(), the embedding through embed()."""
+    import re
+
+    def sub(old, new, count=1):
+        nonlocal text
+        assert old in text, old
+        text = text.replace(old, new, count)
+
+    sub(
+        "from gguf.quants import dequantize\n",
+        "from gguf.quants import dequantize\n\nfrom alchemist.kernels import as_blocks, quantized_embedding, quantized_linear\n",
+    )
+    sub(
+        "def load_weights(path, progress=None) -> dict:",
+        "def load_weights(path, progress=None, quantized=False) -> dict:",
+    )
+    sub(
+        "        weights[name] = dequantize_tensor(data[start : start + nbytes], ggml_type, shape)\n",
+        "        if quantized and ggml_type in KERNEL_TYPES and len(shape) == 2:\n"
+        "            weights[name] = as_blocks(data[start : start + nbytes], ggml_type, shape)\n"
+        "        else:\n"
+        "            weights[name] = dequantize_tensor(data[start : start + nbytes], ggml_type, shape)\n",
+    )
+    sub('x = w["token_embd.weight"][tokens]', "x = embed(w, tokens)")
+    text, n = re.subn(r"linear\((\w+(?:\(\w+\) \* \w+)?), w\[([^\]]+)\]\)", r"project(\1, w, \2)", text)
+    assert n >= 8, n
+    sub("\n\ndef rms_norm(", KERNEL_HELPERS + "\n\ndef rms_norm(")
+    return text
+
+
+def e2e(args) -> None:
+    """Generated gemma module, float32 weights vs the proposed kernel path, on one backend: logits agreement
+    and decode time per token (prefill 8 tokens, then greedy decode steps)."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from alchemist.models import reference_model_path
+    from alchemist.runtime.engine import Engine, import_generated
+
+    src = Path(__file__).resolve().parent.parent / "generated" / "gemma_3_270m_q4_k_m.py"
+    gguf = reference_model_path("gemma-3-270m")
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "gemma_kernels.py").write_text(kernel_module(src.read_text()))
+    results = {}
+    prompt = [2, 818, 5279, 529, 7001, 563, 496, 7217]  # 8 token ids
+    reference_tokens = None
+    for label, path, quantized in (("float32", src, False), ("kernels", tmp / "gemma_kernels.py", True)):
+        module = import_generated(path)
+        t0 = time.perf_counter()
+        weights = module.load_weights(gguf, quantized=True) if quantized else module.load_weights(gguf)
+        t_load = time.perf_counter() - t0
+        n_bytes = sum(w.nbytes for w in weights.values())
+        engine = Engine(module, weights, args.e2e_backend, capacity=64)
+        t0 = time.perf_counter()
+        logits = [engine.run(prompt, 0)]
+        engine.run([prompt[-1]], len(prompt) - 1)  # compiles the 1-token step (result unused)
+        engine.reset()
+        logits = [engine.run(prompt, 0)]
+        t_compile = time.perf_counter() - t0
+        tokens = reference_tokens or []
+        steps = []
+        for i in range(args.e2e_tokens):
+            nxt = int(np.argmax(logits[-1])) if reference_tokens is None else reference_tokens[i]
+            if reference_tokens is None:
+                tokens.append(nxt)
+            t0 = time.perf_counter()
+            logits.append(engine.run([nxt], len(prompt) + i))
+            steps.append(time.perf_counter() - t0)
+        reference_tokens = tokens
+        results[label] = (
+            np.stack([np.asarray(l).reshape(-1) for l in logits]),
+            sorted(steps)[len(steps) // 2],
+            t_load,
+            t_compile,
+            n_bytes,
+        )
+        del engine, weights
+    (ref, t_ref, load_ref, comp_ref, b_ref), (got, t_k, load_k, comp_k, b_k) = results["float32"], results["kernels"]
+    rel = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+    agree = np.mean(np.argmax(got, axis=1) == np.argmax(ref, axis=1))
+    print(
+        f"e2e gemma-3-270m on {args.e2e_backend}: weights {b_ref / 1e6:.0f} MB -> {b_k / 1e6:.0f} MB, load "
+        f"{load_ref:.1f} s -> {load_k:.1f} s, compile {comp_ref:.1f} s / {comp_k:.1f} s; decode median "
+        f"{t_ref * 1e3:.1f} ms -> {t_k * 1e3:.1f} ms per token ({t_ref / t_k:.2f}x); logits max |diff| / max |ref| "
+        f"{rel:.2e}, argmax agreement {agree:.0%} over {len(ref)} positions"
+    )
 
 
 # (label, model or None for random blocks, tensor name, ggml type, (n_out, n_in))
@@ -82,6 +202,9 @@ def main(argv=None) -> int:
     from alchemist.runtime.backends import blas_info, configure_pytensor, get_mode
 
     configure_pytensor()
+    if args.e2e:
+        e2e(args)
+        return 0
     import numpy as np
     import pytensor
     import pytensor.tensor as pt
