@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import gguf
 
+from alchemist.tokenizer.tokenizer import BYTE_TO_UNICODE
+
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
@@ -58,16 +60,8 @@ def _spm_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
 
 def _bpe_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     """A GPT-2 byte-level BPE vocabulary with a few merges (llama.cpp requires at least one)."""
-    # GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to U+0100 onwards.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n_extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n_extra)
-            n_extra += 1
-    byte_chars = [chr(c) for c in cs]
+    # GPT-2's byte -> printable character map, in its own order (the tokenizer's table)
+    byte_chars = list(BYTE_TO_UNICODE.values())
     tokens = list(byte_chars)
     merges = []
     for a, b in [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("a", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n")]:
