@@ -34,6 +34,9 @@ class TensorBinding:
     offset: int  # within the GGUF data section
     nbytes: int
     role: str  # "linear" (y = x @ W.T, W is (n_out, n_in)), "embedding", "norm", "bias", "rope_freqs"
+    # True when alchemist's kernels can use the tensor in its GGUF block format (a quantized matrix of a
+    # type alchemist.kernels supports, read by the graph only as a projection or an embedding)
+    kernel: bool = False
 
     @property
     def quantized(self) -> bool:

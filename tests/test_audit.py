@@ -240,13 +240,18 @@ MUTATIONS = [
     ),
     pytest.param(
         "qwen",
-        [('q = linear(x, w[p + "attn_q.weight"], w[p + "attn_q.bias"])', 'q = linear(x, w[p + "attn_q.weight"])')],
+        [
+            (
+                'q = project(x, w, p + "attn_q.weight", w[p + "attn_q.bias"])',
+                'q = project(x, w, p + "attn_q.weight")',
+            )
+        ],
         {"coverage"},
         id="tensor-usage-removed",
     ),
     pytest.param(
         "gemma",
-        [('logits = linear(x, w["token_embd.weight"])', 'logits = linear(x, w["output.weight"])')],
+        [('logits = project(x, w, "token_embd.weight")', 'logits = project(x, w, "output.weight")')],
         {"coverage"},
         id="tensor-not-in-file",
     ),
@@ -289,7 +294,7 @@ def test_unformatted_module_fails_only_format(reference_ggufs, tmp_path):
     path = mutant(tmp_path, module, [("import numpy as np\n", "import numpy  as np\n")])
     report = audit_module(path, gguf_path=reference_ggufs["qwen"])
     assert report.failed == ["format"], report.table()
-    assert "line 11" in report.check("format").why
+    assert "line 13" in report.check("format").why
 
 
 def test_unparseable_module_fails_syntax_and_checks_nothing_else(fixture_modules, tmp_path):
@@ -311,49 +316,161 @@ def test_audit_never_executes_the_module(fixture_modules, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # the quantized-kernel path: weights kept in GGUF blocks and multiplied by alchemist.kernels
 # ---------------------------------------------------------------------------------------------------
-def kernel_variant(text: str, kernel_weights: list[str], sizes: str = "N_FF, N_EMBD") -> str:
-    """What a quantized-matmul module may look like: some weights stay GGUF blocks (alchemist.kernels.as_blocks)
-    and are multiplied by alchemist.kernels.quantized_linear(x, w_blocks, ggml_type, n_out, n_in)."""
-    text = text.replace(
-        "from gguf.quants import dequantize\n",
-        "from gguf.quants import dequantize\n\nfrom alchemist.kernels import as_blocks, quantized_linear\n",
-    )
-    text = text.replace(
-        "\n\ndef dequantize_tensor(", f"\nKERNEL_WEIGHTS = {tuple(kernel_weights)!r}\n\n\ndef dequantize_tensor("
-    )
-    old = "        weights[name] = dequantize_tensor(data[start : start + nbytes], ggml_type, shape)\n"
-    assert old in text
-    text = text.replace(
-        old,
-        "        if name in KERNEL_WEIGHTS:\n"
-        "            weights[name] = as_blocks(data[start : start + nbytes], ggml_type, shape)\n"
-        "        else:\n    " + old,
-    )
-    old = '    up = linear(x, w[p + "ffn_up.weight"])\n'
-    assert old in text
-    new = f'    up = quantized_linear(x, w[p + "ffn_up.weight"], TENSORS[p + "ffn_up.weight"][0], {sizes})\n'
-    return black.format_str(text.replace(old, new), mode=BLACK_MODE)
+PROJECT_KERNEL_BRANCH = """    if weight.dtype == "uint8":
+        ggml_type, (n_out, n_in) = TENSORS[name][0], TENSORS[name][1]
+        y = quantized_linear(x, weight, ggml_type, n_out, n_in)
+        return y if bias is None else y + bias
+"""
+LOADER_KERNEL_STORE = """        if quantized and name in KERNEL_WEIGHTS:
+            weights[name] = as_blocks(data[start : start + nbytes], ggml_type, shape)
+        else:
+            weights[name] = dequantize_tensor(data[start : start + nbytes], ggml_type, shape)
+"""
+DIRECT_UP = 'up = quantized_linear(x, w[p + "ffn_up.weight"], TENSORS[p + "ffn_up.weight"][0], {})'
+
+# Each seeded defect in the quantized-kernel path (weights kept in GGUF blocks by load_weights(quantized=True)
+# and multiplied by alchemist.kernels in project()/embed()) fails exactly its own check.
+KERNEL_MUTATIONS = [
+    # (a) no dtype guard in project(): GGUF blocks would reach linear()'s pt.dot
+    pytest.param("gemma", [(PROJECT_KERNEL_BRANCH, "")], {"dequantization"}, "may be stored undequantized", id="a"),
+    # (b) the blocks multiplied by the float linear() inside the uint8 branch
+    pytest.param(
+        "qwen",
+        [("y = quantized_linear(x, weight, ggml_type, n_out, n_in)", "y = linear(x, weight)")],
+        {"dequantization"},
+        'inside `if weight.dtype == "uint8":` project() uses `weight` as `linear(x, weight)`',
+        id="b",
+    ),
+    # (c) n_out/n_in swapped in project()'s kernel call
+    pytest.param(
+        "qwen",
+        [
+            (
+                "quantized_linear(x, weight, ggml_type, n_out, n_in)",
+                "quantized_linear(x, weight, ggml_type, n_in, n_out)",
+            )
+        ],
+        {"orientation"},
+        "n_out is `n_in` = TENSORS[name][1][1]",
+        id="c",
+    ),
+    # (d) embed()'s kernel told the table is (N_EMBD, N_VOCAB)
+    pytest.param(
+        "gemma",
+        [('TENSORS["token_embd.weight"][0], N_VOCAB, N_EMBD)', 'TENSORS["token_embd.weight"][0], N_EMBD, N_VOCAB)')],
+        {"orientation"},
+        "n_rows is N_EMBD but token_embd.weight is stored (N_VOCAB, N_EMBD)",
+        id="d",
+    ),
+    # (e) a tensor load_weights may keep in blocks read outside the helpers, by a plain row gather
+    pytest.param(
+        "gemma",
+        [("x = embed(w, tokens)", 'x = w["token_embd.weight"][tokens]')],
+        {"dequantization"},
+        'token_embd.weight (Q8_0) may be stored undequantized by load_weights, but forward() uses it as `w["token_embd',
+        id="e",
+    ),
+    # (e') every entry raw (not as_blocks) when quantized, and token_embd read outside the helpers
+    pytest.param(
+        "qwen",
+        [
+            (
+                LOADER_KERNEL_STORE,
+                LOADER_KERNEL_STORE.replace("quantized and name in KERNEL_WEIGHTS", "quantized").replace(
+                    "as_blocks(data[start : start + nbytes], ggml_type, shape)", "data[start : start + nbytes]"
+                ),
+            ),
+            ("x = embed(w, tokens)", 'x = w["token_embd.weight"][tokens]'),
+        ],
+        {"dequantization"},
+        "not as uint8 GGUF blocks (as_blocks)",
+        id="e-raw-everything",
+    ),
+    # the kernel decodes with a ggml type that is not the tensor's
+    pytest.param(
+        "gemma",
+        [
+            (
+                "ggml_type, (n_out, n_in) = TENSORS[name][0], TENSORS[name][1]",
+                'ggml_type, (n_out, n_in) = "Q4_K", TENSORS[name][1]',
+            )
+        ],
+        {"dequantization"},
+        'ggml_type is `ggml_type` (= `"Q4_K"`), not TENSORS[name][0]',
+        id="kernel-type-fixed",
+    ),
+    # the uint8 branch falls through into linear()
+    pytest.param(
+        "gemma",
+        [
+            (
+                "        return y if bias is None else y + bias\n    return linear",
+                "        y = y if bias is None else y + bias\n    return linear",
+            )
+        ],
+        {"dequantization"},
+        "branch does not end in a return",
+        id="kernel-branch-falls-through",
+    ),
+    # a blocks weight multiplied by the float linear() outside the helpers
+    pytest.param(
+        "gemma",
+        [('gate = project(x, w, p + "ffn_gate.weight")', 'gate = linear(x, w[p + "ffn_gate.weight"])')],
+        {"dequantization"},
+        'mlp_block() uses it as `linear(x, w[p + "ffn_gate.weight"])`',
+        id="raw-into-linear",
+    ),
+    # a kernel called straight on w[...]: load_weights(quantized=False) would hand it float32
+    pytest.param(
+        "gemma",
+        [('up = project(x, w, p + "ffn_up.weight")', DIRECT_UP.format("N_FF, N_EMBD"))],
+        {"dequantization"},
+        "load_weights may store it as float32",
+        id="direct-kernel-gets-float32",
+    ),
+    # ... which is fine when load_weights always keeps those in blocks, unless the sizes are swapped
+    pytest.param(
+        "gemma",
+        [
+            ('up = project(x, w, p + "ffn_up.weight")', DIRECT_UP.format("N_FF, N_EMBD")),
+            ("if quantized and name in KERNEL_WEIGHTS:", "if name in KERNEL_WEIGHTS:"),
+        ],
+        set(),
+        "",
+        id="direct-kernel-ok",
+    ),
+    pytest.param(
+        "gemma",
+        [
+            ('up = project(x, w, p + "ffn_up.weight")', DIRECT_UP.format("N_EMBD, N_FF")),
+            ("if quantized and name in KERNEL_WEIGHTS:", "if name in KERNEL_WEIGHTS:"),
+        ],
+        {"orientation"},
+        "n_out is `N_EMBD` = 640, but blk.0.ffn_up.weight is stored (2048, 640)",
+        id="direct-kernel-sizes-swapped",
+    ),
+]
 
 
-def test_kernel_path_passes_and_misuse_fails(reference_ggufs, tmp_path):
-    module = ROOT / "generated" / "gemma_3_270m_q4_k_m.py"
-    ffn_up = [f"blk.{il}.ffn_up.weight" for il in range(18)]
-    cases = [
-        ("ok", ffn_up, "N_FF, N_EMBD", []),
-        # attn_q kept in blocks but still multiplied by the float linear(): raw bytes would reach pt.dot
-        ("raw-into-linear", ffn_up + ["blk.0.attn_q.weight"], "N_FF, N_EMBD", ["dequantization"]),
-        # n_out/n_in swapped in the kernel call
-        ("kernel-sizes-swapped", ffn_up, "N_EMBD, N_FF", ["orientation"]),
-    ]
-    reports = {}
-    for label, names, sizes, expected in cases:
-        path = tmp_path / f"kernels_{label.replace('-', '_')}.py"
-        path.write_text(kernel_variant(module.read_text(), names, sizes))
-        reports[label] = audit_module(path, reference_ggufs["gemma"])
-        assert reports[label].failed == expected, (label, reports[label].table())
-    assert "18 quantized ones stay in GGUF blocks" in reports["ok"].check("dequantization").why
-    assert "blk.0.attn_q.weight" in reports["raw-into-linear"].check("dequantization").why
-    assert "n_out is N_EMBD" in reports["kernel-sizes-swapped"].check("orientation").why
+@pytest.mark.parametrize("key,replacements,expected,why", KERNEL_MUTATIONS)
+def test_kernel_path_mutation_fails_exactly_its_check(reference_ggufs, tmp_path, key, replacements, expected, why):
+    module = ROOT / "generated" / f"{REFERENCE[key][1]}.py"
+    report = audit_module(mutant(tmp_path, module, replacements, reformat=True), gguf_path=reference_ggufs[key])
+    assert set(report.failed) == expected, report.table()
+    for name in expected:
+        assert why in " ".join(report.check(name).details), report.check(name).details[:3]
+
+
+@pytest.mark.parametrize("key", sorted(REFERENCE))
+def test_reference_reports_describe_the_kernel_path(reference_reports, key):
+    report = reference_reports[key]
+    deq, orient = report.check("dequantization").why, report.check("orientation").why
+    assert "quantized KERNEL_WEIGHTS tensors stay in GGUF blocks" in deq
+    assert "`if quantized and name in KERNEL_WEIGHTS:`" in deq
+    assert "only through embed()/project()" in deq and "quantized_embedding/quantized_linear" in deq
+    assert "project(): quantized_linear(…, n_out, n_in) from TENSORS[name][1]" in orient
+    assert "embed(): quantized_embedding(…, N_VOCAB, N_EMBD)" in orient
+    assert "through the weight-name helper project()" in report.check("coverage").why
 
 
 # ---------------------------------------------------------------------------------------------------

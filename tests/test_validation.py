@@ -20,7 +20,7 @@ from alchemist.harness.validate import (  # noqa: E402
     validate_backend,
     validate_model,
 )
-from alchemist.runtime.backends import BACKENDS  # noqa: E402
+from alchemist.runtime.backends import BACKENDS, uses_quantized_kernels  # noqa: E402
 from alchemist.runtime.engine import Engine  # noqa: E402
 
 WEIGHT_TYPES = ("F32", "F16", *FIXTURE_QTYPES)
@@ -71,21 +71,30 @@ def test_fixture_matrix(fixture_files, shared_engines, arch, backend):
     for wtype in WEIGHT_TYPES:
         path = fixture_files(arch, wtype)
         loaded = load_for_validation(str(path))
-        key = (arch, backend)
+        # float32 weights share one engine per backend; C/Numba also run Q4_K through the quantized kernels
+        # (their exactness per type is tests/test_kernels.py's job; each kernel type compiles its own graph)
+        kernels = uses_quantized_kernels(backend) and wtype == "Q4_K"
+        key = (arch, backend, wtype if kernels else "float32")
         if key not in shared_engines:
-            shared_engines[key] = Engine(loaded.module, loaded.weights, backend, CONTEXT)
+            shared_engines[key] = Engine(loaded.module, loaded.weights_for(backend, kernels), backend, CONTEXT)
         with LlamaCppOracle(str(path), n_ctx=CONTEXT, n_threads=1) as oracle:
             # every backend checks greedy generation on F32 and one quantized type; the C backend on all types
             n_gen = 32 if (backend == "c" or wtype in ("F32", "Q4_K")) else 0
-            res = validate_backend(loaded, backend, oracle, PROMPT, n_gen, CONTEXT, engine=shared_engines[key])
+            res = validate_backend(loaded, backend, oracle, PROMPT, n_gen, CONTEXT, engine=shared_engines[key],
+                                   quantized=kernels)
         results[wtype] = res
     failed = {w: r["failures"] for w, r in results.items() if not r["passed"]}
     assert not failed, failed
     # the exact fixtures really were compared layer by layer
     assert results["F32"]["layers"]["n_compared"] >= 2 * 9 and results["F32"]["layers"]["max_nmse"] <= 1e-6
     assert results["F32"]["greedy"]["n_agree"] == 32
-    # one engine served every weight type: compiled once per shape, not once per file
-    assert shared_engines[(arch, backend)].stats.compile_count <= 4
+    # quantized weights really ran through the kernels on C/Numba (and as float32 on JAX/MLX)
+    assert results["Q4_K"]["quantized_kernels"] == uses_quantized_kernels(backend)
+    assert not results["F16"]["quantized_kernels"]
+    # engines are reused: compiled once per shape, not once per file
+    for key, engine in shared_engines.items():
+        if key[:2] == (arch, backend):
+            assert engine.stats.compile_count <= 4, key
 
 
 def test_validate_model_writes_reports_and_fails_honestly(fixture_files, tmp_path):

@@ -15,6 +15,7 @@ import numpy as np
 
 from alchemist.errors import GGUFError, UnsupportedModelError
 from alchemist.gguf_io import GGUFFacts
+from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
 from alchemist.ir import Activation, AttentionSpec, LayerSpec, MLPSpec, ModelIR, RopeStyle, TensorBinding
 
 REQUIRED = object()
@@ -102,7 +103,8 @@ def _binding(facts: GGUFFacts, name: str, role: str, expected_shape: tuple[int, 
             f"tensor {name!r} shape",
             f"expected {list(expected_shape)} (numpy order) from the hyperparameters, found {list(info.shape)}",
         )
-    return TensorBinding(name, info.ggml_type, info.shape, info.offset, info.nbytes, role)
+    kernel = role in ("linear", "embedding") and len(info.shape) == 2 and info.ggml_type in KERNEL_TYPES
+    return TensorBinding(name, info.ggml_type, info.shape, info.offset, info.nbytes, role, kernel)
 
 
 def build_ir(facts: GGUFFacts, profile: FamilyProfile) -> ModelIR:

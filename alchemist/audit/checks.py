@@ -27,13 +27,17 @@ from alchemist.audit.shapes import (
     tensor_spec,
 )
 from alchemist.audit.source import (
+    BLOCK_PACKERS,
+    KERNEL_SIGNATURES,
     KERNELS_MODULE,
     LOADER_FUNCTIONS,
     REQUIRED_CONSTANTS,
     REQUIRED_FUNCTIONS,
     ModuleSource,
+    WEIGHT_DICT_NAMES,
     dotted,
     int_literal,
+    is_binding,
     str_literal,
     walk,
 )
@@ -608,6 +612,17 @@ def check_config(ctx: Context) -> CheckResult:
     if regions and _is_int(size) and _is_int(c("DATA_OFFSET")) and c("DATA_OFFSET") + regions[-1][1] > size:
         f.append(f"TENSORS region of {regions[-1][2]!r} ends past the end of the {size}-byte file")
 
+    kernel_weights = None
+    if "KERNEL_WEIGHTS" in src.assignments:
+        kw = c("KERNEL_WEIGHTS")
+        if isinstance(kw, (set, frozenset)) or kw == {}:  # (an empty set renders as `{}`)
+            kernel_weights = set(kw)
+        if kernel_weights is None or not all(isinstance(n, str) for n in kernel_weights):
+            f.append("KERNEL_WEIGHTS is not a literal set of tensor names")
+            kernel_weights = None
+        else:
+            for n in sorted(kernel_weights - set(tensors)):
+                f.append(f"KERNEL_WEIGHTS names {n!r}, which is not in TENSORS")
     inv = ctx.inventory
     compared = []
     if ctx.facts is not None:
@@ -647,7 +662,20 @@ def check_config(ctx: Context) -> CheckResult:
             style = "norm" if pairs else "neox"
             if style != ctx.ir.rope_style.value:
                 f.append(f"rope() rotates {style}-style pairs but the IR says {ctx.ir.rope_style.value}")
-        compared.append("every constant, the activation and the RoPE style agree with the IR")
+        want = {t.name for t in ctx.ir.tensors if getattr(t, "kernel", False)}
+        if kernel_weights is not None and kernel_weights != want:
+            diff = sorted(kernel_weights ^ want)
+            f.append(
+                f"KERNEL_WEIGHTS differs from the IR's kernel tensors ({len(kernel_weights)} vs {len(want)}; "
+                f"e.g. {diff[0]!r})"
+            )
+        elif kernel_weights is None and want and "KERNEL_WEIGHTS" not in src.assignments:
+            f.append(f"KERNEL_WEIGHTS is not defined, but the IR marks {len(want)} tensors for the kernels")
+        compared.append(
+            "every constant"
+            + (" (KERNEL_WEIGHTS included)" if kernel_weights is not None else "")
+            + ", the activation and the RoPE style agree with the IR"
+        )
     if not compared:
         compared.append("no GGUF/IR given: internal consistency only")
     ok = (
@@ -854,19 +882,30 @@ def _iterates_tensors(loop: cst.For) -> bool:
     )
 
 
-def _analyze_load_weights(ctx: Context, f: list[str]) -> set[str]:
-    """Names that load_weights may store without dequantize_tensor (kernel-packed or raw)."""
+@dataclass
+class RawStore:
+    """A store of an entry in the dict load_weights returns."""
+
+    # "dequantized" (dequantize_tensor with the entry's type: float32), "blocks" (an alchemist.kernels packer:
+    # uint8 GGUF blocks), "kernel" (another alchemist.kernels call), "raw" (anything else)
+    kind: str
+    snippet: str
+    guard: str  # the conditions it is under, as code ("" if none)
+
+
+def _analyze_load_weights(ctx: Context, f: list[str]) -> dict[str, list[RawStore]]:
+    """The stores load_weights may make for each name (kind "dequantized" for dequantize_tensor(raw, type, ..))."""
     src = ctx.src
     tensors = ctx.tensors()
     all_names = set(tensors)
     fn = src.functions.get("load_weights")
     if fn is None:
         f.append("load_weights() is missing")
-        return set()
+        return {}
     loops = [n for n in walk(fn.body) if isinstance(n, cst.For) and _iterates_tensors(n)]
     if not loops:
         f.append("load_weights() does not loop over TENSORS, so not every entry is dequantized")
-        return set()
+        return {}
     returned = [
         small.value
         for n in walk(fn.body)
@@ -877,8 +916,8 @@ def _analyze_load_weights(ctx: Context, f: list[str]) -> set[str]:
     result_vars = {r.value for r in returned if isinstance(r, cst.Name)}
     if not returned or not all(isinstance(r, cst.Name) for r in returned):
         f.append("load_weights() does not return the dict it fills")
-        return set()
-    raw: set[str] = set()
+        return {}
+    raw: dict[str, list[RawStore]] = {}
     n_stores = 0
 
     def store_kind(value, type_var) -> str:
@@ -891,6 +930,8 @@ def _analyze_load_weights(ctx: Context, f: list[str]) -> set[str]:
                 if type_var is not None and type_var not in _names_in(value):
                     return "raw"  # e.g. dequantize_tensor(raw, "F32", shape): bypasses the type
                 return "dequantized"
+            if src.qualname(value.func) in BLOCK_PACKERS:
+                return "blocks"
             if src.is_kernel(value.func):
                 return "kernel"
         return "raw"
@@ -922,8 +963,6 @@ def _analyze_load_weights(ctx: Context, f: list[str]) -> set[str]:
                         n_stores += 1
                         name_var, type_var = _tensors_loop_vars(loop) if loop is not None else (None, None)
                         kind = store_kind(small.value if isinstance(small, cst.Assign) else None, type_var)
-                        if kind == "dequantized":
-                            continue
                         index = (
                             tgt.slice[0].slice.value
                             if len(tgt.slice) == 1 and isinstance(tgt.slice[0].slice, cst.Index)
@@ -945,7 +984,12 @@ def _analyze_load_weights(ctx: Context, f: list[str]) -> set[str]:
                                         break
                                 if ok:
                                     candidates.add(name)
-                        raw.update(candidates)
+                        guard = " and ".join(
+                            src.code(test) if polarity else f"not ({src.code(test)})" for test, polarity in guards
+                        )
+                        store = RawStore(kind, src.code(small), guard)
+                        for name in candidates:
+                            raw.setdefault(name, []).append(store)
             elif isinstance(stmt, cst.If):
                 visit(stmt.body.body, guards + [(stmt.test, True)], loop)
                 orelse = stmt.orelse
@@ -965,32 +1009,321 @@ def _analyze_load_weights(ctx: Context, f: list[str]) -> set[str]:
     return raw
 
 
-def _kernel_use(src: ModuleSource, node: cst.CSTNode, depth: int = 0) -> bool:
-    """True if this value is passed straight to an alchemist.kernels function, or to a module-level helper
-    whose matching parameter is itself only ever passed straight to alchemist.kernels functions."""
+def _bind_args(call: cst.Call, names: tuple[str, ...]) -> dict[str, cst.Arg] | None:
+    """param name -> Arg for a call of a function with positional parameters `names`, or None."""
+    bound: dict[str, cst.Arg] = {}
+    for i, a in enumerate(call.args):  # (the grammar puts positional arguments first)
+        if a.star:
+            return None
+        key = names[i] if a.keyword is None and i < len(names) else a.keyword.value if a.keyword else None
+        if key is None or key not in names or key in bound:
+            return None
+        bound[key] = a
+    return bound
+
+
+def _kernel_call(src: ModuleSource, node: cst.CSTNode):
+    """(call, signature) if `node` is the GGUF-blocks argument of a known alchemist.kernels function."""
     arg = src.parents.get(node)
-    if not isinstance(arg, cst.Arg) or arg.star:
-        return False
+    if not isinstance(arg, cst.Arg) or arg.star or arg.value is not node:
+        return None
     call = src.parents.get(arg)
     if not isinstance(call, cst.Call):
-        return False
-    if src.is_kernel(call.func):
-        return True
-    if depth >= 2 or not (isinstance(call.func, cst.Name) and call.func.value in src.functions):
-        return False
-    helper = src.functions[call.func.value]
-    if call.func.value in LOADER_FUNCTIONS:
-        return False
-    params = _params(helper)
-    if arg.keyword is not None:
-        pname = arg.keyword.value
+        return None
+    sig = KERNEL_SIGNATURES.get(src.qualname(call.func))
+    if sig is None:
+        return None
+    bound = _bind_args(call, sig.params)
+    return (call, sig) if bound is not None and bound.get(sig.blocks) is arg else None
+
+
+def _kernel_calls(src: ModuleSource):
+    """(function, call, signature, bound args or None) for every call of a blocks-taking kernel in the graph."""
+    for fname, fn in src.functions.items():
+        if fname in LOADER_FUNCTIONS:
+            continue
+        for n in walk(fn.body):
+            if isinstance(n, cst.Call):
+                sig = KERNEL_SIGNATURES.get(src.qualname(n.func))
+                if sig is not None:
+                    yield fname, n, sig, _bind_args(n, sig.params)
+
+
+def _kernel_use(src: ModuleSource, node: cst.CSTNode) -> bool:
+    """True if this value is passed straight to an alchemist.kernels function as its GGUF blocks."""
+    return _kernel_call(src, node) is not None
+
+
+def _fn_of(src: ModuleSource, node) -> cst.FunctionDef | None:
+    name = src.enclosing_function(node)
+    return src.functions.get(name) if name else None
+
+
+def _references(src: ModuleSource, fn: cst.FunctionDef, var: str) -> list[cst.Name]:
+    """The Name nodes in fn's body that refer to the variable `var` (reads and bindings)."""
+    out = []
+    for n in walk(fn.body):
+        if isinstance(n, cst.Name) and n.value == var:
+            parent = src.parents.get(n)
+            if isinstance(parent, cst.Attribute) and parent.attr is n:
+                continue
+            if isinstance(parent, cst.Arg) and parent.keyword is n:
+                continue
+            out.append(n)
+    return out
+
+
+def _single_binding(src: ModuleSource, fn: cst.FunctionDef, var: str):
+    """(value expression, leftover tuple path) if `var` is a local of fn bound exactly once, by a plain
+    assignment (`var = e`, or `a, (var, b) = e1, (e2, e3)` which gives e2), else None."""
+    if var in _params(fn) or var in {p.name.value for p in fn.params.kwonly_params}:
+        return None
+    bindings = [n for n in _references(src, fn, var) if is_binding(src, n)]
+    if len(bindings) != 1:
+        return None
+    node = bindings[0]
+    path = []
+    child, parent = node, src.parents.get(node)
+    while isinstance(parent, (cst.Element, cst.Tuple, cst.List)):
+        if isinstance(parent, (cst.Tuple, cst.List)):
+            path.append([e for e in parent.elements].index(child))
+        child, parent = parent, src.parents.get(parent)
+    if isinstance(child, cst.StarredElement) or not isinstance(parent, cst.AssignTarget):
+        return None
+    assign = src.parents.get(parent)
+    if not isinstance(assign, cst.Assign) or len(assign.targets) != 1:
+        return None
+    value = assign.value
+    path.reverse()
+    while path and isinstance(value, (cst.Tuple, cst.List)):
+        elements = value.elements
+        if any(isinstance(e, cst.StarredElement) for e in elements) or path[0] >= len(elements):
+            return None
+        value = elements[path[0]].value
+        path = path[1:]
+    return value, tuple(path)
+
+
+def _name_key(src: ModuleSource, fn: cst.FunctionDef, index):
+    """What a tensor-name expression denotes: ("param", p) for a weight-name helper's name parameter,
+    ("pattern", "blk.{il}.attn_q.weight") for a name the auditor resolves, else None."""
+    helper = src.weight_helpers().get(fn.name.value)
+    if helper is not None and isinstance(index, cst.Name) and index.value == helper.name_param:
+        return ("param", index.value)
+    pattern = src._name_pattern(index, src._local_string_assignments(fn))
+    return ("pattern", pattern) if pattern is not None else None
+
+
+def _key_names(src: ModuleSource, key, fname: str, n_layer: int) -> list[str]:
+    """The tensor names a _name_key can denote: a pattern's names over the layers, or for a weight-name
+    helper's parameter the names of all its call sites."""
+    if key[0] == "param":
+        patterns = [u.pattern for u in src.weight_uses() if u.via == fname and u.pattern is not None]
     else:
-        idx = [a for a in call.args if a.keyword is None].index(arg)
-        if idx >= len(params):
+        patterns = [key[1]]
+    out = []
+    for p in patterns:
+        out.extend([p.replace("{il}", str(il)) for il in range(n_layer)] if "{il}" in p else [p])
+    return sorted(set(out))
+
+
+def _key_code(key) -> str:
+    """TENSORS[name] / TENSORS['blk.{il}.attn_q.weight'] for a _name_key."""
+    return f"TENSORS[{key[1]}]" if key[0] == "param" else f"TENSORS[{key[1]!r}]"
+
+
+def _resolve(src: ModuleSource, fn: cst.FunctionDef, expr, depth: int = 0):
+    """What an expression in fn denotes, as far as the kernel checks need:
+    ("weight", key) for w[name]; ("tensors", key, path) for TENSORS[name][i][j]...; ("const", code) for an
+    integer expression over literals and module constants; None for anything else."""
+    if depth > 8:
+        return None
+    if isinstance(expr, cst.Subscript):
+        if len(expr.slice) != 1 or not isinstance(expr.slice[0].slice, cst.Index):
+            return None
+        index = expr.slice[0].slice.value
+        if isinstance(expr.value, cst.Name):
+            base = expr.value.value
+            if base == "TENSORS" and "TENSORS" in src.assignments and not _references_bind(src, fn, "TENSORS"):
+                key = _name_key(src, fn, index)
+                return ("tensors", key, ()) if key else None
+            if base in WEIGHT_DICT_NAMES and base in _params(fn):
+                key = _name_key(src, fn, index)
+                return ("weight", key) if key else None
+        inner = _resolve(src, fn, expr.value, depth + 1)
+        i = int_literal(index)
+        if inner is not None and inner[0] == "tensors" and i is not None and i >= 0:
+            return ("tensors", inner[1], inner[2] + (i,))
+        return None
+    if isinstance(expr, cst.Name):
+        binding = _single_binding(src, fn, expr.value)
+        if binding is not None:
+            value, path = binding
+            r = _resolve(src, fn, value, depth + 1)
+            if not path:
+                return r
+            return ("tensors", r[1], r[2] + path) if r is not None and r[0] == "tensors" else None
+        if not _references_bind(src, fn, expr.value) and _is_int(src.constant(expr.value, None)):
+            return ("const", expr.value)  # a module-level integer constant (N_VOCAB, ...)
+        return None
+    if int_literal(expr) is not None:
+        return ("const", src.code(expr))
+    if isinstance(expr, cst.BinaryOperation) and isinstance(
+        expr.operator, (cst.Multiply, cst.FloorDivide, cst.Add, cst.Subtract)
+    ):
+        a, b = _resolve(src, fn, expr.left, depth + 1), _resolve(src, fn, expr.right, depth + 1)
+        if a is not None and b is not None and a[0] == b[0] == "const":
+            return ("const", src.code(expr))
+    return None
+
+
+def _references_bind(src: ModuleSource, fn: cst.FunctionDef, var: str) -> bool:
+    return var in _params(fn) or any(is_binding(src, n) for n in _references(src, fn, var))
+
+
+def _statement_of(src: ModuleSource, fn: cst.FunctionDef, node) -> int | None:
+    """Index of the top-level statement of fn's body that contains node."""
+    top = {id(s): i for i, s in enumerate(fn.body.body)}
+    n = node
+    while n is not None and id(n) not in top:
+        n = src.parents.get(n)
+    return top.get(id(n)) if n is not None else None
+
+
+def _always_exits(block) -> bool:
+    """The block ends in a return or raise, or in an if/else whose branches all do (control never falls out)."""
+    body = block.body if isinstance(block, cst.IndentedBlock) else []
+    if not body:
+        return False
+    last = body[-1]
+    if isinstance(last, cst.SimpleStatementLine):
+        return isinstance(last.body[-1], (cst.Return, cst.Raise))
+    while isinstance(last, cst.If):
+        if not _always_exits(last.body) or last.orelse is None:
             return False
-        pname = params[idx]
-    uses = [n for n in walk(helper.body) if isinstance(n, cst.Name) and n.value == pname]
-    return bool(uses) and all(_kernel_use(src, n, depth + 1) for n in uses)
+        if isinstance(last.orelse, cst.Else):
+            return _always_exits(last.orelse.body)
+        last = last.orelse
+    return False
+
+
+def _is_dtype_guard(test, var: str) -> bool:
+    """`var.dtype == "uint8"` (either way round)."""
+    if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
+        return False
+    comp = test.comparisons[0]
+    if not isinstance(comp.operator, cst.Equal):
+        return False
+    a, b = test.left, comp.comparator
+    if str_literal(a) == "uint8":
+        a, b = b, a
+    return (
+        str_literal(b) == "uint8"
+        and isinstance(a, cst.Attribute)
+        and a.attr.value == "dtype"
+        and isinstance(a.value, cst.Name)
+        and a.value.value == var
+    )
+
+
+@dataclass
+class Flow:
+    """Where the value of one weight read goes in its function."""
+
+    var: str | None  # the local the read is bound to (`weight = w[name]`), if it is bound once
+    sites: list  # the nodes that consume the value: the read itself, or each read of `var`
+    guard: cst.If | None  # the `if var.dtype == "uint8":` guard (whose body exits), if the function has one
+    zone: dict  # id(site) -> "test" (the guard's dtype test), "blocks" (inside the guard), "float" (after it)
+    problem: str | None  # why the guard does not hold (None when there is one)
+
+
+def _flow(src: ModuleSource, read: cst.CSTNode) -> Flow:
+    fn = _fn_of(src, read)
+    parent = src.parents.get(read)
+    target = parent.targets[0].target if isinstance(parent, cst.Assign) and len(parent.targets) == 1 else None
+    if fn is None or not (isinstance(target, cst.Name) and parent.value is read):
+        return Flow(None, [read], None, {}, None)
+    var = target.value
+    binding = _single_binding(src, fn, var)
+    i = _statement_of(src, fn, parent)
+    if binding is None or binding[0] is not read or i is None or fn.body.body[i] is not src.parents.get(parent):
+        return Flow(None, [read], None, {}, f"`{var}` is rebound, or not bound at the top level of {fn.name.value}()")
+    sites = [n for n in _references(src, fn, var) if n is not target]
+    zone: dict[int, str] = {}
+    by_stmt = sorted({_statement_of(src, fn, n) for n in sites} - {None})
+    if not by_stmt or by_stmt[0] <= i:
+        return Flow(var, sites, None, zone, f"`{var}` is read before (or where) it is bound")
+    j = by_stmt[0]
+    guard = fn.body.body[j]
+    if not (isinstance(guard, cst.If) and _is_dtype_guard(guard.test, var)):
+        return Flow(var, sites, None, zone, f'its first use is not an `if {var}.dtype == "uint8":` guard')
+    if not _always_exits(guard.body):
+        return Flow(var, sites, None, zone, f'the `if {var}.dtype == "uint8":` branch does not end in a return')
+    test_ids = {id(n) for n in walk(guard.test)}
+    body_ids = {id(n) for n in walk(guard.body)}
+    for n in sites:
+        zone[id(n)] = "test" if id(n) in test_ids else "blocks" if id(n) in body_ids else "float"
+    return Flow(var, sites, guard, zone, None)
+
+
+def _is_linear_weight(src: ModuleSource, node) -> bool:
+    """`node` is the weight argument of linear(x, weight, bias)."""
+    arg = src.parents.get(node)
+    call = src.parents.get(arg) if isinstance(arg, cst.Arg) else None
+    if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Name) and call.func.value == "linear"):
+        return False
+    bound = _bind_args(call, tuple(_params(src.functions["linear"]))) if "linear" in src.functions else None
+    params = _params(src.functions["linear"]) if "linear" in src.functions else []
+    return bound is not None and len(params) > 1 and bound.get(params[1]) is arg
+
+
+def _orientation_problem(src: ModuleSource, read, role: str) -> str | None:
+    """Why a weight read of this role is not applied as x @ W.T (or gathered by row, for the embedding)."""
+    flow = _flow(src, read)
+    for n in flow.sites if flow.var is not None else [read]:
+        parent = src.parents.get(n)
+        if _kernel_use(src, n) or _is_linear_weight(src, n):
+            continue
+        if isinstance(parent, cst.Attribute) and parent.value is n and parent.attr.value == "dtype":
+            continue  # metadata (the blocks/float32 test)
+        if role == "embedding" and isinstance(parent, cst.Subscript) and parent.value is n:
+            continue  # row gather: token_embd is (N_VOCAB, N_EMBD)
+        return f"used as `{_site_snippet(src, n)}` in {src.enclosing_function(n)}(), outside linear()/a kernel" + (
+            " or a row gather" if role == "embedding" else ""
+        )
+    return None
+
+
+def _site_snippet(src: ModuleSource, node) -> str:
+    """The code around a use: its enclosing call, subscript or statement, shortened."""
+    n = src.parents.get(node)
+    while n is not None and not isinstance(n, (cst.Call, cst.Subscript, cst.BaseSmallStatement)):
+        n = src.parents.get(n)
+    text = src.code(n if n is not None else node)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _raw_read_problem(src: ModuleSource, read) -> tuple[str | None, bool]:
+    """(why GGUF blocks from this weight read could reach something other than a kernel, or None;
+    True if the read relies on a `.dtype == "uint8"` guard, which needs the blocks to be uint8)."""
+    if _kernel_use(src, read):
+        return None, False
+    flow = _flow(src, read)
+    fname = src.enclosing_function(read)
+    if flow.var is None:
+        return f"{fname}() uses it as `{_site_snippet(src, read)}`, not through an alchemist.kernels function", False
+    if flow.guard is None:
+        return (
+            f"{fname}() binds it to `{flow.var}` and {flow.problem}, so GGUF blocks could reach "
+            f"`{_site_snippet(src, flow.sites[0]) if flow.sites else flow.var}`"
+        ), False
+    for n in flow.sites:
+        if flow.zone.get(id(n)) == "blocks" and not _kernel_use(src, n):
+            return (
+                f'inside `if {flow.var}.dtype == "uint8":` {fname}() uses `{flow.var}` as '
+                f"`{_site_snippet(src, n)}`, not as the blocks of an alchemist.kernels function"
+            ), True
+    return None, True
 
 
 def check_dequantization(ctx: Context) -> CheckResult:
@@ -1012,46 +1345,130 @@ def check_dequantization(ctx: Context) -> CheckResult:
             if n % block or n // block * type_size != nbytes:
                 f.append(f"TENSORS[{name!r}]: {nbytes} bytes is not {gtype} data for {n} elements")
     dequantizer = _analyze_dequantize_tensor(src, f)
-    raw = _analyze_load_weights(ctx, f)
+    stores_of = _analyze_load_weights(ctx, f)
+    raw = {nm: kept for nm, st in stores_of.items() if (kept := [x for x in st if x.kind != "dequantized"])}
 
-    quantized_raw = sorted(n for n in raw if isinstance(tensors.get(n), tuple) and tensors[n][0] != "F32")
-    kernel_names: set[str] = set()
-    if quantized_raw:
-        n_layer = ctx.n_layer()
-        by_name: dict[str, list] = {}
-        dynamic = []
-        for use in ctx.uses():
-            if use.pattern is None:
-                dynamic.append(use)
-            for nm in use.names(n_layer):
-                by_name.setdefault(nm, []).append(use)
-        for use in dynamic:
+    helpers = src.weight_helpers()
+    n_layer = ctx.n_layer()
+    by_name: dict[str, list] = {}
+    for use in ctx.uses():
+        if use.pattern is None and raw:
             f.append(
-                f"{use.function}: `{use.snippet}` reads a weight by a computed name while load_weights keeps "
-                "some tensors undequantized"
+                f"{use.function}: `{use.snippet}` reads a weight by a name the auditor cannot resolve while "
+                "load_weights keeps some tensors undequantized"
             )
-        for nm in quantized_raw:
-            for use in by_name.get(nm, []):
-                if not _kernel_use(src, use.node):
+        for nm in use.names(n_layer):
+            by_name.setdefault(nm, []).append(use)
+    kernel_names: set[str] = set()
+    routes: dict[str, bool] = {}  # function holding a read of blocks -> True if it relies on a dtype guard
+    verdicts: dict[int, tuple] = {}
+    for nm in sorted(raw):
+        stores = raw[nm]
+        problem = None
+        for use in by_name.get(nm, []):
+            for read in helpers[use.via].reads if use.via else [use.node]:
+                if id(read) not in verdicts:
+                    verdicts[id(read)] = _raw_read_problem(src, read)
+                why, guarded = verdicts[id(read)]
+                fname = src.enclosing_function(read)
+                if why is None and guarded:
+                    other = [st for st in stores if st.kind != "blocks"]
+                    if other:
+                        why = (
+                            f"load_weights may store it as `{other[0].snippet}`, not as uint8 GGUF blocks "
+                            f"({', '.join(p.rsplit('.', 1)[-1] for p in BLOCK_PACKERS)}), so the "
+                            f'`.dtype == "uint8"` test in {fname}() cannot tell it from float32'
+                        )
+                if why is not None:
+                    problem = (use, why)
+                    break
+                routes[fname] = routes.get(fname, False) or guarded
+            if problem:
+                break
+        if problem:
+            use, why = problem
+            where = f" and {use.function}() reads it as `{use.snippet}`;" if use.via else ", but"
+            gtype = tensors[nm][0] if isinstance(tensors.get(nm), tuple) and tensors[nm] else "?"
+            f.append(f"{nm} ({gtype}) may be stored undequantized by load_weights{where} {why}")
+        else:
+            kernel_names.add(nm)
+    kernels_used: set[str] = set()
+    for fname, call, sig, bound in _kernel_calls(src):
+        if bound is None:
+            f.append(f"{fname}(): `{src.code(call)}`: the auditor cannot bind its arguments")
+            continue
+        kernels_used.add(src.qualname(call.func).rsplit(".", 1)[-1])
+        fn = src.functions[fname]
+        blocks, type_arg = bound.get(sig.blocks), bound.get(sig.ggml_type)
+        w = _resolve(src, fn, blocks.value) if blocks is not None else None
+        if w is None or w[0] != "weight":
+            f.append(
+                f"{fname}(): `{src.code(call)}`: its {sig.blocks} are not a w[...] read the auditor can trace, so "
+                "their ggml type cannot be checked against TENSORS"
+            )
+            continue
+        guarded_blocks = False
+        if isinstance(blocks.value, cst.Name):
+            binding = _single_binding(src, fn, blocks.value.value)
+            if binding is not None and not binding[1]:
+                flow = _flow(src, binding[0])
+                guarded_blocks = flow.guard is not None and flow.zone.get(id(blocks.value)) == "blocks"
+        if not guarded_blocks:  # unguarded: only tensors that load_weights never dequantizes may reach it
+            for nm in _key_names(src, w[1], fname, n_layer):
+                floats = [st for st in stores_of.get(nm, []) if st.kind == "dequantized"]
+                if floats:
                     f.append(
-                        f"{nm} ({tensors[nm][0]}) may be stored undequantized by load_weights, but "
-                        f"{use.function} uses it as `{use.snippet}`, not through an alchemist.kernels function"
+                        f"{fname}(): `{src.code(call)}` takes {nm} as GGUF blocks, but load_weights may store it "
+                        f"as float32 (`{floats[0].snippet}`"
+                        + (f" when {floats[0].guard}" if floats[0].guard else "")
+                        + '), which the kernel cannot read: test `.dtype == "uint8"` first (like project())'
                     )
                     break
+        t = _resolve(src, fn, type_arg.value) if type_arg is not None else None
+        if t != ("tensors", w[1], (0,)):
+            shown = src.code(type_arg.value) if type_arg is not None else "missing"
+            binding = _single_binding(src, fn, type_arg.value.value) if isinstance(type_arg.value, cst.Name) else None
+            if binding is not None and not binding[1]:
+                shown += f"` (= `{src.code(binding[0])}`)"
             else:
-                kernel_names.add(nm)
+                shown += "`"
+            f.append(
+                f"{fname}(): `{src.code(call)}`: {sig.ggml_type} is `{shown}, not TENSORS[name][0] of the weight "
+                f"`{src.code(blocks.value)}` it decodes"
+            )
+
     n_q = sum(v for k, v in types.items() if k != "F32")
     type_list = ", ".join(f"{k}×{v}" for k, v in sorted(types.items()))
     route = f"load_weights routes all {len(tensors)} TENSORS entries through dequantize_tensor"
-    if kernel_names:
+    if raw and not f:
+        guards = sorted({st.guard for nm in kernel_names for st in raw[nm]})
+        packers = sorted({st.kind for nm in kernel_names for st in raw[nm]})
+        kw = src.constant("KERNEL_WEIGHTS", None)
+        label = " KERNEL_WEIGHTS" if isinstance(kw, (set, frozenset)) and set(kw) == kernel_names else ""
+        guarded = sorted(fn for fn, g in routes.items() if g)
+        direct = sorted(fn for fn, g in routes.items() if not g)
+        reach = []
+        if guarded:
+            reach.append(
+                "/".join(f"{fn}()" for fn in guarded)
+                + ", which pass them to "
+                + "/".join(sorted(kernels_used))
+                + ' with the ggml type from TENSORS[name] when `weight.dtype == "uint8"` (a branch that returns) '
+                "and use float32 weights as they are"
+            )
+        if direct:
+            reach.append("straight into alchemist.kernels calls in " + "/".join(f"{fn}()" for fn in direct))
         route = (
-            f"load_weights dequantizes {len(tensors) - len(raw)} TENSORS entries; {len(kernel_names)} "
-            f"quantized ones stay in GGUF blocks and reach the graph only through {KERNELS_MODULE}"
+            "load_weights dequantizes every TENSORS entry"
+            + (f", except that under `if {' / '.join(guards)}:`" if all(guards) else ", except that")
+            + f" {len(kernel_names)} quantized{label} tensors stay in GGUF blocks"
+            + (" (as_blocks: uint8, one row of blocks per output)" if packers == ["blocks"] else "")
+            + f"; those reach the graph only through {' and '.join(reach)}"
         )
     ok = (
         f"{route}; dequantize_tensor calls {dequantizer} with the entry's type for every non-F32 type "
-        f"({n_q} of {len(tensors)} tensors quantized; {type_list}); the F32 branch reads float32; byte sizes agree with the types"
-        + (f" and with {ctx.inventory_label}" if inv is not None else "")
+        f"({n_q} of {len(tensors)} tensors quantized; {type_list}); the F32 branch reads float32; byte sizes agree "
+        "with the types" + (f" and with {ctx.inventory_label}" if inv is not None else "")
     )
     return _result("dequantization", f, ok)
 
@@ -1173,6 +1590,8 @@ def check_orientation(ctx: Context) -> CheckResult:
                 if not ok:
                     f.append(f"linear() computes `{src.code(n)}`, not {x} @ {weight}.T for W stored (n_out, n_in)")
 
+    helpers = src.weight_helpers()
+    routes: dict[str, set[str]] = {}  # role -> how its weights are applied ("linear()", "project()", ...)
     for use in ctx.uses():
         if use.pattern is None:
             continue
@@ -1182,34 +1601,76 @@ def check_orientation(ctx: Context) -> CheckResult:
         role = spec[0]
         if role not in ("linear", "embedding"):
             continue
-        parent = src.parents.get(use.node)
-        ok = False
-        if isinstance(parent, cst.Arg):
-            call = src.parents.get(parent)
-            if isinstance(call, cst.Call):
-                if src.is_kernel(call.func):
-                    ok = True
-                elif isinstance(call.func, cst.Name) and call.func.value == "linear":
-                    positional = [a for a in call.args if a.keyword is None]
-                    ok = (parent.keyword is not None and parent.keyword.value == "weight") or (
-                        parent in positional and positional.index(parent) == 1
-                    )
-        elif role == "embedding" and isinstance(parent, cst.Subscript) and parent.value is use.node:
-            ok = True  # row gather: token_embd is (N_VOCAB, N_EMBD)
-        if not ok and _kernel_use(src, use.node):
-            ok = True  # a quantized kernel (directly or through a helper) computes x @ W.T
-        if not ok:
-            f.append(
-                f"{use.function}: `{use.snippet}` is a {role} weight used outside linear()/a kernel"
-                + (" or a row gather" if role == "embedding" else "")
+        reads = helpers[use.via].reads if use.via else [use.node]
+        bad = next((b for b in (_orientation_problem(src, r, role) for r in reads) if b), None)
+        if bad:
+            f.append(f"{use.function}: `{use.snippet}` is a {role} weight {bad}")
+        elif use.via:
+            routes.setdefault(role, set()).add(f"{use.via}()")
+        else:
+            routes.setdefault(role, set()).add(f"{use.function}()")
+
+    interp = ctx.interp()
+    kernel_forms = []
+    for fname, call, sig, bound in _kernel_calls(src):
+        fn = src.functions[fname]
+        blocks = bound.get(sig.blocks) if bound else None
+        w = _resolve(src, fn, blocks.value) if blocks is not None else None
+        if w is None or w[0] != "weight":
+            continue  # reported by the dequantization check
+        kname = src.qualname(call.func).rsplit(".", 1)[-1]
+        shown, how = [], set()
+        for what, path in ((sig.rows, (1, 0)), (sig.cols, (1, 1))):
+            arg = bound.get(what)
+            r = _resolve(src, fn, arg.value) if arg is not None else None
+            code = src.code(arg.value) if arg is not None else "missing"
+            shown.append(code)
+            how.add("tensors" if r is not None and r[0] == "tensors" else "const")
+            if r == ("tensors", w[1], path):
+                continue
+            if r is not None and r[0] == "tensors":
+                f.append(
+                    f"{fname}(): `{src.code(call)}`: {what} is `{code}` = {_key_code(r[1])}"
+                    f"{''.join(f'[{i}]' for i in r[2])}, but the weight's stored {what} is "
+                    f"{_key_code(w[1])}[1][{path[1]}]"
+                )
+            elif r is not None and r[0] == "const" and w[1][0] == "pattern":
+                value = src._eval_const(arg.value, 0)
+                names = [w[1][1].replace("{il}", str(il)) for il in range(n_layer)] if "{il}" in w[1][1] else [w[1][1]]
+                for nm in names:
+                    entry = tensors.get(nm)
+                    stored = entry[1] if isinstance(entry, tuple) and len(entry) == 4 else None
+                    if not (isinstance(stored, tuple) and len(stored) == 2 and stored[path[1]] == value):
+                        f.append(
+                            f"{fname}(): `{src.code(call)}`: {what} is `{code}` = {value!r}, but {nm} is "
+                            f"stored {stored!r} ({sig.rows}, {sig.cols})"
+                        )
+                        break
+            elif not (r is not None and r[0] == "const" and id(call) in interp.kernel_checked):
+                f.append(
+                    f"{fname}(): `{src.code(call)}`: {what} is `{code}`, neither {_key_code(w[1])}[1][{path[1]}] "
+                    "nor a size constant the auditor could compare with the weight's shape"
+                )
+        kernel_forms.append(
+            f"{fname}(): {kname}(…, {', '.join(shown)})"
+            + (
+                f" from {_key_code(w[1])}[1]"
+                if how == {"tensors"}
+                else f", equal to {_key_code(w[1])}[1]"
+                + (" and to its symbolic shape" if id(call) in interp.kernel_checked else "")
             )
-    f.extend(ctx.interp().kernel_errors)
+        )
+    f.extend(interp.kernel_errors)
+    lin = "/".join(sorted(routes.get("linear", ()))) or "linear()"
+    emb = " and ".join(sorted(routes.get("embedding", ()))) or "a row gather"
     ok = (
         f"{len(tensors)} TENSORS shapes"
         + (f" equal {ctx.inventory_label}'s (ne reversed)" if inv else "")
         + f"; {n_checked} match the (n_out, n_in) shapes implied by N_HEAD·HEAD_DIM, N_KV_HEAD·HEAD_DIM, N_EMBD, "
-        "N_FF, N_VOCAB; linear() computes x @ weight.T; every projection weight goes through linear() and "
-        "token_embd is gathered by row"
+        f"N_FF, N_VOCAB; linear() computes x @ weight.T; every projection weight is applied by {lin} "
+        f"(token_embd by {emb}), where it is only linear()'s weight, the blocks of a kernel or (the embedding) "
+        "gathered by row"
+        + (f"; the kernels get the weight's stored (rows, columns): {'; '.join(kernel_forms)}" if kernel_forms else "")
     )
     return _result("orientation", f, ok)
 
@@ -1260,6 +1721,13 @@ def check_heads(ctx: Context) -> CheckResult:
         f"{len(verified)} reshapes regroup their input symbolically ({len(strict)} head split/merge in "
         "attention_block/causal_attention); projections, attention and the cache agree on head shapes "
         "from the token embedding to the logits"
+        + (
+            f" ({'/'.join(f'{h}()' for h in sorted(src.weight_helpers()))} "
+            f"give{'s' if len(src.weight_helpers()) == 1 else ''} the shape of linear(x, w[name]) on every path, "
+            "kernel or float32)"
+            if src.weight_helpers()
+            else ""
+        )
     )
     return _result("heads", f, ok)
 
@@ -1302,11 +1770,19 @@ def check_coverage(ctx: Context) -> CheckResult:
             f.append("forward() has no `for il in range(N_LAYER)` layer loop, so some layers' tensors may go unused")
     used: dict[str, str] = {}
     patterns = set()
+    vias: set[str] = set()
+    via_patterns: set[str] = set()
     for use in ctx.uses():
         if use.pattern is None:
-            f.append(f"{use.function}: `{use.snippet}` reads a weight by a name the auditor cannot resolve")
+            f.append(
+                f"{use.function}: `{use.snippet}` "
+                + (use.problem or "reads a weight by a name the auditor cannot resolve")
+            )
             continue
         patterns.add(use.pattern)
+        if use.via:
+            vias.add(use.via)
+            via_patterns.add(use.pattern)
         for nm in use.names(n_layer):
             used.setdefault(nm, use.function)
     for nm in sorted(set(used) - set(tensors), key=lambda s: (s.startswith("blk."), s)):
@@ -1327,10 +1803,19 @@ def check_coverage(ctx: Context) -> CheckResult:
         if nm in used and nm in ignored:
             f.append(f"{nm!r} is both used by the graph and listed as ignored")
     n_inv = len(inv) if inv is not None else len(tensors)
+    n_via = len(via_patterns)
     ok = (
         f"all {n_inv} tensors"
         + (f" of {ctx.inventory_label}" if inv is not None else " in TENSORS")
-        + f" are read by the graph ({len(patterns)} name patterns over {n_layer} layers)"
+        + f" are read by the graph ({len(patterns)} name patterns over {n_layer} layers"
+        + (
+            f", {n_via} of them through the weight-name helper"
+            + ("s " if len(vias) > 1 else " ")
+            + "/".join(f"{h}()" for h in sorted(vias))
+            if vias
+            else ""
+        )
+        + ")"
         + (f" or ignored with a reason ({len(ignored)})" if ignored else ", none ignored")
         + "; the graph reads no name the file lacks"
     )

@@ -8,7 +8,9 @@ count, does not regroup the factors of its input and is reported, whatever the n
 
 The interpreter walks the graph functions (`forward`, `attention_block`, `mlp_block`, `causal_attention`,
 `rope`) with the parameter shapes their docstrings promise, tracking the shape of every local through
-`linear`, `reshape`, `dimshuffle`, `matmul`, `set_subtensor`, indexing, broadcasting and a few PyTensor
+`linear`, the weight-name helpers (`project(x, w, name)`: `name` is bound to the call site's tensor-name
+pattern, so `w[name]` and `TENSORS[name][1]` have that tensor's symbolic shape), the quantized kernels,
+`reshape`, `dimshuffle`, `matmul`, `set_subtensor`, indexing, broadcasting and a few PyTensor
 functions. Anything it does not model becomes "unknown", never an error; a reshape of an unknown value in
 the attention functions is reported as unverifiable.
 """
@@ -20,7 +22,13 @@ from fractions import Fraction
 
 import libcst as cst
 
-from alchemist.audit.source import LOADER_FUNCTIONS, WEIGHT_DICT_NAMES, ModuleSource, int_literal
+from alchemist.audit.source import (
+    KERNEL_SIGNATURES,
+    LOADER_FUNCTIONS,
+    WEIGHT_DICT_NAMES,
+    ModuleSource,
+    int_literal,
+)
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,30 @@ class Tup:
     items: tuple
 
 
+@dataclass(frozen=True)
+class WName:
+    """A weight-name helper's name parameter, bound to its call site's tensor-name pattern."""
+
+    pattern: str | None
+
+
+@dataclass(frozen=True)
+class TEntry:
+    """TENSORS[name]: (ggml type, shape, offset, nbytes) of the tensor `pattern` names."""
+
+    pattern: str | None
+
+
+@dataclass(frozen=True)
+class NoneVal:
+    """The value None (an omitted parameter whose default is None)."""
+
+
+@dataclass(frozen=True)
+class Bool:
+    value: bool
+
+
 SCALAR = Arr(())
 
 
@@ -281,6 +313,7 @@ class ShapeInterpreter:
         self.src = src
         self.errors: list[str] = []
         self.kernel_errors: list[str] = []  # orientation of quantized-kernel calls (n_out/n_in swapped)
+        self.kernel_checked: set[int] = set()  # ids of kernel calls whose sizes were compared with the weight's
         self.reshapes: list[ReshapeRecord] = []
         self.returns: dict[str, object] = {}
         self._fn = ""  # label for messages: "attention_block" or "mlp_block → helper"
@@ -359,8 +392,7 @@ class ShapeInterpreter:
         elif isinstance(small, cst.Return) and small.value is not None:
             value = self._expr(small.value, env)
             if self._ret_stack:
-                if self._ret_stack[-1] is None:
-                    self._ret_stack[-1] = value
+                self._ret_stack[-1].append((value, small))
             elif self.returns.get(self._fn) is None:
                 self.returns[self._fn] = value
 
@@ -375,6 +407,8 @@ class ShapeInterpreter:
     # ------------------------------------------------------------------ expressions
     def _expr(self, node, env):
         if isinstance(node, cst.Name):
+            if node.value == "None":
+                return NoneVal()
             if node.value in env:
                 return env[node.value]
             if node.value in CONSTANT_DIMS and node.value in self.src.assignments:
@@ -398,6 +432,15 @@ class ShapeInterpreter:
         if isinstance(node, cst.UnaryOperation):
             inner = self._expr(node.expression, env)
             return inner if isinstance(inner, Arr) else None
+        if (
+            isinstance(node, cst.Comparison)
+            and len(node.comparisons) == 1
+            and isinstance(node.comparisons[0].operator, (cst.Is, cst.IsNot))
+        ):
+            a, b = self._expr(node.left, env), self._expr(node.comparisons[0].comparator, env)
+            if isinstance(b, NoneVal) and isinstance(a, (NoneVal, Arr)):
+                return Bool(isinstance(a, NoneVal) == isinstance(node.comparisons[0].operator, cst.Is))
+            return None
         if isinstance(node, cst.Comparison):
             out = self._expr(node.left, env)
             for c in node.comparisons:
@@ -408,6 +451,9 @@ class ShapeInterpreter:
             self._expr(node.right, env)
             return None
         if isinstance(node, cst.IfExp):
+            test = self._expr(node.test, env)
+            if isinstance(test, Bool):
+                return self._expr(node.body if test.value else node.orelse, env)
             a, b = self._expr(node.body, env), self._expr(node.orelse, env)
             return a if a == b else None
         return None
@@ -423,15 +469,37 @@ class ShapeInterpreter:
             return Arr(tuple(reversed(base.shape)))
         return None
 
+    def _name_arg(self, node, env) -> str | None:
+        """The tensor-name pattern an index expression denotes in the current function."""
+        if isinstance(node, cst.Name) and isinstance(env.get(node.value), WName):
+            return env[node.value].pattern
+        fn = self.src.functions[self._cur]
+        return self.src._name_pattern(node, self.src._local_string_assignments(fn))
+
     def _subscript(self, node: cst.Subscript, env):
+        index = (
+            node.slice[0].slice.value if len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index) else None
+        )
         if isinstance(node.value, cst.Name) and node.value.value in WEIGHT_DICT_NAMES and node.value.value in env:
-            pattern = None
-            if len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index):
-                fn = self.src.functions[self._cur]
-                pattern = self.src._name_pattern(node.slice[0].slice.value, self.src._local_string_assignments(fn))
+            pattern = self._name_arg(index, env) if index is not None else None
             spec = tensor_spec(pattern) if pattern else None
             return Arr(spec[1], weight=pattern) if spec else None
+        if (
+            isinstance(node.value, cst.Name)
+            and node.value.value == "TENSORS"
+            and "TENSORS" not in env
+            and "TENSORS" in self.src.assignments
+        ):
+            return TEntry(self._name_arg(index, env)) if index is not None else None
         base = self._expr(node.value, env)
+        if isinstance(base, (TEntry, Tup)):
+            i = int_literal(index) if index is not None else None
+            if isinstance(base, TEntry):
+                spec = tensor_spec(base.pattern) if base.pattern else None
+                if i == 1 and spec is not None:
+                    return Tup(tuple(Size(d) for d in spec[1]))  # the stored (n_out, n_in), symbolically
+                return None
+            return base.items[i] if i is not None and -len(base.items) <= i < len(base.items) else None
         if isinstance(base, ShapeOf):
             if len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index):
                 i = int_literal(node.slice[0].slice.value)
@@ -541,19 +609,8 @@ class ShapeInterpreter:
                 return self._pt_call(call, q[len("pytensor.tensor.") :], pos, kw)
             if q in ("numpy.float32", "numpy.float64", "numpy.int64", "numpy.int32"):
                 return SCALAR
-            if self.src.is_kernel(func):
-                if len(pos) >= 2 and isinstance(pos[0][0], Arr) and isinstance(pos[1][0], Arr) and pos[1][0].weight:
-                    wv = pos[1][0]
-                    if q.endswith(".quantized_linear") and len(pos) >= 5 and len(wv.shape) == 2:
-                        # quantized_linear(x, w_blocks, ggml_type, n_out, n_in): the sizes must be W's (rows, cols)
-                        for (val, node), want, what in ((pos[3], wv.shape[0], "n_out"), (pos[4], wv.shape[1], "n_in")):
-                            if isinstance(val, Size) and not same(prod(val.dim), prod(want)):
-                                self.kernel_errors.append(
-                                    f"{self._fn}: `{self._snip(call)}`: {what} is {dim_str(val.dim)} but "
-                                    f"{wv.weight} is stored {shape_str(wv.shape)} (n_out, n_in)"
-                                )
-                    return self._linear(call, pos[0][0], wv, None)
-                return None
+            if q in KERNEL_SIGNATURES:
+                return self._kernel(call, q, pos, kw)
             return None
         if isinstance(func, cst.Name) and func.value in self.src.functions:
             name = func.value
@@ -572,6 +629,34 @@ class ShapeInterpreter:
             return self._inline(name, pos, kw)
         return None
 
+    def _kernel(self, call, q, pos, kw):
+        """quantized_linear(x, w_blocks, type, n_out, n_in) -> (T, n_out) like linear(x, W);
+        quantized_embedding(w_blocks, indices, type, n_rows, n_in) -> indices.shape + (n_in,) like W[indices].
+        The sizes passed must be the weight's stored (rows, columns)."""
+        names, wname, _, rows, cols = KERNEL_SIGNATURES[q]
+        bound = {names[i]: p for i, p in enumerate(pos) if i < len(names)}
+        bound.update({k: v for k, v in kw.items() if k in names})
+        wv = bound.get(wname, (None,))[0]
+        if not (isinstance(wv, Arr) and wv.weight and len(wv.shape) == 2):
+            return None
+        compared = 0
+        for what, want in ((rows, wv.shape[0]), (cols, wv.shape[1])):
+            val = bound.get(what, (None,))[0]
+            if isinstance(val, Size):
+                compared += 1
+                if not same(prod(val.dim), prod(want)):
+                    self.kernel_errors.append(
+                        f"{self._fn}: `{self._snip(call)}`: {what} is {dim_str(val.dim)} but "
+                        f"{wv.weight} is stored {shape_str(wv.shape)} ({rows}, {cols})"
+                    )
+        if compared == 2:
+            self.kernel_checked.add(id(call))
+        if names[0] == "x":
+            x = bound.get("x", (None,))[0]
+            return self._linear(call, x, wv, None)
+        idx = bound.get("indices", (None,))[0]
+        return Arr(idx.shape + (wv.shape[1],)) if isinstance(idx, Arr) else None
+
     def _inline(self, name, pos, kw):
         """Interpret a helper's body with the caller's argument values (no recursion, depth <= 3)."""
         if name in LOADER_FUNCTIONS or name in self._inline_stack or len(self._inline_stack) >= 3:
@@ -579,23 +664,37 @@ class ShapeInterpreter:
         fn = self.src.functions[name]
         env: dict[str, object] = {}
         params = [p.name.value for p in fn.params.params]
-        for i, pname in enumerate(params):
+        helper = self.src.weight_helpers().get(name)
+        for i, (pname, p) in enumerate(zip(params, fn.params.params)):
             if i < len(pos):
                 env[pname] = pos[i][0]
             elif pname in kw:
                 env[pname] = kw[pname][0]
+            elif isinstance(p.default, cst.Name) and p.default.value == "None":
+                env[pname] = NoneVal()
             else:
                 env[pname] = None
+            if helper is not None and pname == helper.name_param:
+                node = pos[i][1] if i < len(pos) else kw[pname][1] if pname in kw else None
+                env[pname] = WName(self._name_arg(node, self._env) if node is not None else None)
         saved = self._env, self._fn, self._cur
         self._inline_stack.append(name)
-        self._ret_stack.append(None)
+        self._ret_stack.append([])
         self._env, self._fn, self._cur = env, f"{saved[1]} → {name}", name
         try:
             self._block(fn.body, env)
+            returns = self._ret_stack[-1]
+            arrays = [(v, node) for v, node in returns if isinstance(v, Arr)]
+            for v, node in arrays[1:]:  # every path must give the same shape (e.g. project's two paths)
+                a = arrays[0][0]
+                if len(v.shape) != len(a.shape) or not all(same(prod(x), prod(y)) for x, y in zip(v.shape, a.shape)):
+                    self.error(node, f"returns {shape_str(v.shape)} where another path returns {shape_str(a.shape)}")
         finally:
             self._env, self._fn, self._cur = saved
             self._inline_stack.pop()
-        return self._ret_stack.pop()
+            returns = self._ret_stack.pop()
+        first = next((v for v, _ in returns if isinstance(v, Arr)), None)
+        return first if first is not None else next((v for v, _ in returns if v is not None), None)
 
     def _check_contract(self, call, name, pos, kw):
         fn = self.src.functions[name]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import libcst as cst
 
@@ -52,6 +52,27 @@ REQUIRED_CONSTANTS = (
 WEIGHT_DICT_NAMES = ("w",)  # the graph functions' weights parameter
 LAYER_VAR = "il"
 KERNELS_MODULE = "alchemist.kernels"
+
+
+class KernelSignature(NamedTuple):
+    params: tuple[str, ...]  # positional parameters, in order
+    blocks: str  # the GGUF blocks (uint8, one row of blocks per stored row)
+    ggml_type: str
+    rows: str  # the stored shape (rows, columns) of the blocks' tensor
+    cols: str
+
+
+# The alchemist.kernels functions the graph may hand GGUF blocks to.
+KERNEL_SIGNATURES = {
+    f"{KERNELS_MODULE}.quantized_linear": KernelSignature(
+        ("x", "w_blocks", "ggml_type", "n_out", "n_in"), "w_blocks", "ggml_type", "n_out", "n_in"
+    ),
+    f"{KERNELS_MODULE}.quantized_embedding": KernelSignature(
+        ("w_blocks", "indices", "ggml_type", "n_rows", "n_in"), "w_blocks", "ggml_type", "n_rows", "n_in"
+    ),
+}
+# alchemist.kernels functions that turn a tensor's raw GGUF bytes into uint8 (n_out, row_bytes) blocks
+BLOCK_PACKERS = (KERNELS_MODULE + ".as_blocks",)
 DEQUANTIZERS = ("gguf.quants.dequantize", "gguf.dequantize")
 
 _NOT_LITERAL = object()
@@ -136,12 +157,16 @@ def str_literal(node: cst.CSTNode) -> str | None:
 
 @dataclass
 class Use:
-    """One `w[...]` subscript in the graph: the tensor-name pattern it reads and where."""
+    """One weight read in the graph -- a `w[...]` subscript, or a call of a weight-name helper such as
+    `project(x, w, p + "attn_q.weight")` (then `via` names the helper and `node` is the call) -- with the
+    tensor-name pattern it reads and where."""
 
-    node: cst.Subscript
+    node: cst.CSTNode
     function: str
     pattern: str | None  # e.g. "blk.{il}.attn_q.weight"; None when the name is computed dynamically
     snippet: str
+    via: str | None = None  # the weight-name helper the name is passed to
+    problem: str | None = None  # why the auditor cannot follow this read (pattern is then None)
 
     def names(self, n_layer: int) -> list[str]:
         if self.pattern is None:
@@ -149,6 +174,44 @@ class Use:
         if "{il}" in self.pattern:
             return [self.pattern.replace("{il}", str(il)) for il in range(n_layer)]
         return [self.pattern]
+
+
+@dataclass
+class Helper:
+    """A weight-name helper: a module-level function with a weights-dict parameter `w_param` that it only
+    subscripts (never rebinds nor passes on), and a parameter `name_param` that it never rebinds and reads
+    weights with, `w_param[name_param]` (e.g. `project(x, w, name)`). Every call of it is a read of the weight
+    its call site names; its `w_param[name_param]` reads stand for those calls."""
+
+    name: str
+    w_param: str
+    name_param: str
+    params: tuple[str, ...]
+    reads: list[cst.Subscript]  # the `w_param[name_param]` subscripts in its body
+
+
+def _is_reference(src: "ModuleSource", node: cst.Name) -> bool:
+    """A Name node that refers to a variable (not an attribute name `x.attr` nor a keyword `f(k=...)`)."""
+    parent = src.parents.get(node)
+    if isinstance(parent, cst.Attribute) and parent.attr is node:
+        return False
+    if isinstance(parent, cst.Arg) and parent.keyword is node:
+        return False
+    return True
+
+
+def is_binding(src: "ModuleSource", node: cst.CSTNode) -> bool:
+    """True if a Name/Subscript node is (part of) an assignment, loop, with, del or walrus target."""
+    child, parent = node, src.parents.get(node)
+    while isinstance(parent, (cst.Tuple, cst.List, cst.StarredElement, cst.Element)):
+        child, parent = parent, src.parents.get(parent)
+    if isinstance(parent, cst.AssignTarget):
+        return True
+    if isinstance(parent, (cst.AugAssign, cst.AnnAssign, cst.For, cst.CompFor, cst.NamedExpr)):
+        return parent.target is child
+    if isinstance(parent, (cst.AsName, cst.Del, cst.Param)):
+        return True
+    return False
 
 
 @dataclass
@@ -165,6 +228,7 @@ class ModuleSource:
     _literal_names: set[str] | None = None
     _ast_values: dict[str, ast.expr] = field(default_factory=dict)
     _local_strings: dict[str, dict] = field(default_factory=dict)
+    _helpers: dict[str, Helper] | None = None
 
     @classmethod
     def parse(cls, text: str, path_name: str) -> "ModuleSource":
@@ -332,23 +396,116 @@ class ModuleSource:
         return _NOT_LITERAL
 
     # ---------------------------------------------------------------------------------------------
+    def weight_helpers(self) -> dict[str, Helper]:
+        """The module's weight-name helpers (see Helper), by name."""
+        if self._helpers is not None:
+            return self._helpers
+        self._helpers = {}
+        for fname, fn in self.functions.items():
+            if (
+                fname in LOADER_FUNCTIONS
+                or isinstance(fn.params.star_arg, cst.Param)
+                or fn.params.star_kwarg is not None
+            ):
+                continue
+            params = tuple(p.name.value for p in fn.params.params)
+            wparams = [p for p in params if p in WEIGHT_DICT_NAMES]
+            if len(wparams) != 1:
+                continue
+            wp = wparams[0]
+            names = {}
+            for n in walk(fn.body):
+                if isinstance(n, cst.Name) and _is_reference(self, n):
+                    names.setdefault(n.value, []).append(n)
+            w_reads = [self.parents.get(n) for n in names.get(wp, [])]
+            # the weights dict is only ever subscripted (read), never rebound or passed on
+            if not w_reads or not all(
+                isinstance(sub, cst.Subscript) and sub.value is occ and not is_binding(self, sub)
+                for sub, occ in zip(w_reads, names.get(wp, []))
+            ):
+                continue
+            tensors_local = "TENSORS" in params or any(is_binding(self, n) for n in names.get("TENSORS", []))
+            for pname in params:
+                if pname == wp or pname not in names:
+                    continue
+                if any(is_binding(self, n) for n in names[pname]):
+                    continue  # rebound: w[pname] would not read the call site's name
+                reads = [
+                    sub
+                    for sub in w_reads
+                    if len(sub.slice) == 1
+                    and isinstance(sub.slice[0].slice, cst.Index)
+                    and isinstance(sub.slice[0].slice.value, cst.Name)
+                    and sub.slice[0].slice.value.value == pname
+                ]
+                if reads and not tensors_local:
+                    self._helpers[fname] = Helper(fname, wp, pname, params, reads)
+                    break
+        return self._helpers
+
+    def helper_call_args(self, call: cst.Call, helper: Helper) -> dict[str, cst.BaseExpression] | None:
+        """param name -> argument expression for a call of a helper, or None if it cannot be bound."""
+        bound: dict[str, cst.BaseExpression] = {}
+        positional = True
+        for i, a in enumerate(call.args):
+            if a.star:
+                return None
+            if a.keyword is None:
+                if not positional or i >= len(helper.params):
+                    return None
+                bound[helper.params[i]] = a.value
+            else:
+                positional = False
+                if a.keyword.value not in helper.params or a.keyword.value in bound:
+                    return None
+                bound[a.keyword.value] = a.value
+        return bound
+
     def weight_uses(self) -> list[Use]:
-        """Every subscript of the graph's weights dict outside the loader, with its name pattern."""
+        """Every weight read of the graph outside the loader, with its name pattern: each subscript of the
+        weights dict, and each call of a weight-name helper (whose own `w[name]` reads stand for its calls)."""
+        helpers = self.weight_helpers()
+        internal = {id(r) for h in helpers.values() for r in h.reads}
         uses = []
         for fname, fn in self.functions.items():
             if fname in LOADER_FUNCTIONS:
                 continue
             params = {p.name.value for p in fn.params.params}
             wnames = [n for n in WEIGHT_DICT_NAMES if n in params]
-            if not wnames:
-                continue
             local_strings = self._local_string_assignments(fn)
             for node in walk(fn.body):
-                if isinstance(node, cst.Subscript) and isinstance(node.value, cst.Name) and node.value.value in wnames:
+                if (
+                    wnames
+                    and isinstance(node, cst.Subscript)
+                    and isinstance(node.value, cst.Name)
+                    and node.value.value in wnames
+                    and id(node) not in internal
+                ):
                     pattern = None
                     if len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index):
                         pattern = self._name_pattern(node.slice[0].slice.value, local_strings)
                     uses.append(Use(node, fname, pattern, self.code(node)))
+                elif isinstance(node, cst.Name) and node.value in helpers and _is_reference(self, node):
+                    helper = helpers[node.value]
+                    call = self.parents.get(node)
+                    problem = pattern = None
+                    if not (isinstance(call, cst.Call) and call.func is node):
+                        problem = f"refers to the weight-name helper {node.value}() other than by calling it"
+                        call = node
+                    else:
+                        args = self.helper_call_args(call, helper)
+                        warg = args.get(helper.w_param) if args else None
+                        narg = args.get(helper.name_param) if args else None
+                        if args is None or narg is None:
+                            problem = f"calls {helper.name}() with arguments the auditor cannot bind"
+                        elif not (isinstance(warg, cst.Name) and warg.value in wnames):
+                            problem = (
+                                f"passes `{self.code(warg) if warg is not None else 'nothing'}` as "
+                                f"{helper.name}()'s weights dict `{helper.w_param}`, not the graph's weights"
+                            )
+                        else:
+                            pattern = self._name_pattern(narg, local_strings)
+                    uses.append(Use(call, fname, pattern, self.code(call), via=helper.name, problem=problem))
         return uses
 
     def _local_string_assignments(self, fn: cst.FunctionDef) -> dict[str, list[cst.BaseExpression]]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from alchemist.harness.metrics import compare_logits, first_divergence, greedy_agreement, nmse
+from alchemist.runtime.backends import uses_quantized_kernels
 
 THRESHOLDS = {
     "near_tie": 1e-3,  # oracle top-2 gap below which a top-1 disagreement is a reported near-tie
@@ -38,10 +39,20 @@ class LoadedForValidation:
     path: str
     ir: object
     module: object
-    weights: dict
+    _weights: dict = field(default_factory=dict)  # quantized (bool) -> load_weights(path, quantized=...)
+
+    def weights_for(self, backend: str, quantized: bool | None = None) -> dict:
+        """The weights as `backend` runs them: GGUF blocks for the kernel backends (C, Numba), else float32
+        (quantized=False forces float32 weights)."""
+        quantized = uses_quantized_kernels(backend) if quantized is None else quantized and uses_quantized_kernels(backend)
+        if quantized not in self._weights:
+            self._weights[quantized] = self.module.load_weights(self.path, quantized=quantized)
+        return self._weights[quantized]
 
 
-def load_for_validation(path: str, generated_dir=None) -> LoadedForValidation:
+def load_for_validation(path: str, generated_dir=None, llamacpp_rounding: bool = False) -> LoadedForValidation:
+    """The generated module and weights for `path`; llamacpp_rounding: a copy of the module that rounds
+    activations and GELU as llama.cpp's CPU backend does (alchemist.harness.emulate), for diagnosis."""
     from alchemist.arch import build_model_ir
     from alchemist.gguf_io import read_gguf
     from alchemist.runtime.api import generated_cache_dir, write_generated
@@ -49,7 +60,11 @@ def load_for_validation(path: str, generated_dir=None) -> LoadedForValidation:
 
     ir = build_model_ir(read_gguf(path))
     module = import_generated(write_generated(ir, generated_dir or generated_cache_dir()))
-    return LoadedForValidation(str(path), ir, module, module.load_weights(str(path)))
+    if llamacpp_rounding:
+        from alchemist.harness.emulate import emulating_llamacpp
+
+        module = emulating_llamacpp(module)
+    return LoadedForValidation(str(path), ir, module)
 
 
 def _greedy(engine, prompt: list[int], n: int) -> list[int]:
@@ -74,17 +89,18 @@ def layer_nmse(engine, oracle, prompt: list[int]) -> dict:
 
 
 def validate_backend(loaded: LoadedForValidation, backend: str, oracle, prompt: list[int], n_generate: int,
-                     context: int, engine=None) -> dict:
+                     context: int, engine=None, quantized: bool | None = None) -> dict:
     """Validate one backend. Pass `engine` to reuse its compiled functions: its weights are replaced by
-    `loaded.weights`, which must have the same shapes (e.g. the same fixture at another quant type)."""
+    `loaded.weights_for(backend)`, which must have the same names, dtypes and shapes (e.g. the same fixture
+    at another weight type that the backend also runs as float32)."""
     from alchemist.runtime.engine import Engine
 
     exact = is_exact(loaded.ir)
     t0 = time.perf_counter()
     if engine is None:
-        engine = Engine(loaded.module, loaded.weights, backend, context)
+        engine = Engine(loaded.module, loaded.weights_for(backend, quantized), backend, context)
     else:
-        engine.set_weights(loaded.weights)
+        engine.set_weights(loaded.weights_for(backend, quantized))
     ours = engine.run(prompt, 0, all_logits=True)
     ref = oracle.logits(prompt)
     metrics = compare_logits(ours, ref, near_tie=THRESHOLDS["near_tie"])
@@ -102,6 +118,7 @@ def validate_backend(loaded: LoadedForValidation, backend: str, oracle, prompt: 
     result = {
         "backend": backend,
         "exact_weights": exact,
+        "quantized_kernels": any(v.dtype == np.uint8 for v in engine_weights(engine)),
         "prompt_tokens": len(prompt),
         "prompt": {**metrics.summary(), "logits_nmse": logits_nmse},
     }
@@ -137,6 +154,10 @@ def validate_backend(loaded: LoadedForValidation, backend: str, oracle, prompt: 
     return result
 
 
+def engine_weights(engine) -> list:
+    return [sv.get_value(borrow=True) for sv in engine.weights.values()]
+
+
 def prompt_ids_for(path: str, text: str | None) -> list[int]:
     from alchemist.tokenizer import load_tokenizer
 
@@ -144,10 +165,11 @@ def prompt_ids_for(path: str, text: str | None) -> list[int]:
 
 
 def validate_model(path: str, backends: list[str], prompt: list[int] | None = None, n_generate: int = 32,
-                   context: int = 256, n_threads: int | None = None, progress=print) -> dict:
+                   context: int = 256, n_threads: int | None = None, progress=print,
+                   llamacpp_rounding: bool = False) -> dict:
     from alchemist.harness.oracle import LlamaCppOracle
 
-    loaded = load_for_validation(path)
+    loaded = load_for_validation(path, llamacpp_rounding=llamacpp_rounding)
     prompt = prompt if prompt is not None else prompt_ids_for(path, None)
     context = max(context, len(prompt) + n_generate + 1)
     report = {
@@ -157,6 +179,7 @@ def validate_model(path: str, backends: list[str], prompt: list[int] | None = No
         "architecture": loaded.ir.architecture,
         "weight_types": sorted({t.ggml_type for t in loaded.ir.tensors}),
         "thresholds": THRESHOLDS,
+        "numerics": "llama.cpp CPU rounding emulated (diagnostic)" if llamacpp_rounding else "exact",
         "prompt_token_ids": prompt,
         "backends": {},
     }
@@ -194,6 +217,7 @@ def to_markdown(report: dict) -> str:
         f"- sha256: `{report['source_sha256']}`",
         f"- prompt: {len(report['prompt_token_ids'])} tokens; thresholds: "
         + ", ".join(f"{k} {v:.4g}" for k, v in report["thresholds"].items()),
+        f"- numerics: {report.get('numerics', 'exact')}",
         f"- result: **{'PASS' if report['passed'] else 'FAIL'}**",
         "",
         "| backend | top-1 (decisive) | near-ties | mean KL | mean Pearson | logits NMSE | greedy agree | layers max NMSE | compiles | s | result |",
@@ -220,15 +244,16 @@ def write_validation(report: dict, out_dir: str | Path, stem: str) -> list[Path]
     return [js, md]
 
 
-def diff_model(path: str, backend: str, prompt: list[int], tol: float | None = None, context: int = 256) -> dict:
+def diff_model(path: str, backend: str, prompt: list[int], tol: float | None = None, context: int = 256,
+               llamacpp_rounding: bool = False) -> dict:
     """Layer-by-layer comparison with llama.cpp; names the first tensor whose NMSE exceeds tol."""
     from alchemist.harness.oracle import LlamaCppOracle
     from alchemist.runtime.engine import Engine
 
-    loaded = load_for_validation(path)
+    loaded = load_for_validation(path, llamacpp_rounding=llamacpp_rounding)
     exact = is_exact(loaded.ir)
     tol = tol if tol is not None else (THRESHOLDS["exact_nmse"] if exact else 1e-2)
-    engine = Engine(loaded.module, loaded.weights, backend, max(context, len(prompt) + 1))
+    engine = Engine(loaded.module, loaded.weights_for(backend), backend, max(context, len(prompt) + 1))
     names, fn = engine.taps_function(len(prompt))
     ours = dict(zip(names, (np.asarray(v) for v in fn(np.array(prompt, np.int64), np.int64(0), np.int64(len(prompt))))))
     with LlamaCppOracle(path, n_ctx=max(context, len(prompt) + 1)) as oracle:

@@ -17,7 +17,7 @@ from alchemist.codegen import module_slug, render_module
 from alchemist.errors import AlchemistError
 from alchemist.gguf_io import read_gguf
 from alchemist.ir import ModelIR
-from alchemist.runtime.backends import blas_info, require_backend
+from alchemist.runtime.backends import blas_info, require_backend, uses_quantized_kernels
 from alchemist.runtime.sampling import Sampler, SamplingParams
 
 
@@ -104,7 +104,9 @@ def load_llm(
     total = sum(t.nbytes for t in ir.tensors)
     t_w = time.perf_counter()
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress, leave=False) as bar:
-        weights = module.load_weights(path, progress=lambda name, nbytes: bar.update(nbytes))
+        weights = module.load_weights(
+            path, progress=lambda name, nbytes: bar.update(nbytes), quantized=uses_quantized_kernels(backend)
+        )
     weights_seconds = time.perf_counter() - t_w
     capacity = max(1, min(int(context), ir.n_ctx_train))
     engine = Engine(module, weights, backend, capacity)

@@ -73,3 +73,13 @@ def get_mode(name: str):
 def static_shapes(name: str) -> bool:
     """JAX and MLX trace with static shapes: attention must read the whole cache, masked."""
     return name in ("jax", "mlx")
+
+
+# Backends that multiply quantized weights in their GGUF blocks (alchemist.kernels' C and Numba kernels).
+# JAX and MLX would dequantize a whole weight on every call, so they get float32 weights instead.
+KERNEL_BACKENDS = ("c", "numba")
+
+
+def uses_quantized_kernels(name: str) -> bool:
+    """True when `name` should load weights with load_weights(..., quantized=True)."""
+    return name in KERNEL_BACKENDS

@@ -28,10 +28,10 @@ import pytensor.tensor as pt  # noqa: E402
 PREFILL_BUCKETS = (8, 32, 128, 512)
 
 
-def import_generated(path: str | Path) -> ModuleType:
+def import_generated(path: str | Path, name_suffix: str = "") -> ModuleType:
     """Import a generated model module from its file (it is standalone, so no package is needed)."""
     path = Path(path)
-    name = f"alchemist_generated_{path.stem}"
+    name = f"alchemist_generated_{path.stem}{name_suffix}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise AlchemistError(f"{path}: cannot import generated module")
@@ -100,8 +100,10 @@ class Engine:
             raise AlchemistError("set_weights: tensor names differ from the compiled model's")
         for name, arr in weights.items():
             old = self.weights[name].get_value(borrow=True)
-            if tuple(old.shape) != tuple(arr.shape):
-                raise AlchemistError(f"set_weights: {name} has shape {arr.shape}, compiled for {tuple(old.shape)}")
+            if tuple(old.shape) != tuple(arr.shape) or old.dtype != arr.dtype:
+                raise AlchemistError(
+                    f"set_weights: {name} is {arr.dtype} {arr.shape}, compiled for {old.dtype} {tuple(old.shape)}"
+                )
             self.weights[name].set_value(arr, borrow=True)
         self.reset()
 
