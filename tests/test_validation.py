@@ -118,8 +118,8 @@ def test_diff_names_the_first_divergent_op(fixture_files, tmp_path, monkeypatch)
 
     real_loader = validate_mod.load_for_validation
 
-    def broken_loader(p, generated_dir=None):
-        loaded = real_loader(p, generated_dir)
+    def broken_loader(p, **kwargs):
+        loaded = real_loader(p, **kwargs)
         good_norm = loaded.module.rms_norm
         loaded.module.rms_norm = lambda x, w: good_norm(x, w) * (1.0 + 1e-2 * (w.name == "blk.1.attn_norm.weight"))
         return loaded

@@ -100,7 +100,8 @@ class Engine:
             raise AlchemistError("set_weights: tensor names differ from the compiled model's")
         for name, arr in weights.items():
             old = self.weights[name].get_value(borrow=True)
-            if tuple(old.shape) != tuple(arr.shape) or old.dtype != arr.dtype:
+            # compare dtype names: on MLX the stored value is an mx.array whose dtype is mlx.core.float32
+            if tuple(old.shape) != tuple(arr.shape) or _dtype_name(old) != _dtype_name(arr):
                 raise AlchemistError(
                     f"set_weights: {name} is {arr.dtype} {arr.shape}, compiled for {old.dtype} {tuple(old.shape)}"
                 )
@@ -199,3 +200,8 @@ class Engine:
             v.set_value(np.zeros(shape, np.float32), borrow=True)
         if self.backend in ("jax", "mlx"):
             self._place_on_device()
+
+
+def _dtype_name(array) -> str:
+    """'float32' for a numpy, JAX or MLX array alike."""
+    return str(array.dtype).rsplit(".", 1)[-1]
