@@ -615,7 +615,7 @@ def check_config(ctx: Context) -> CheckResult:
     kernel_weights = None
     if "KERNEL_WEIGHTS" in src.assignments:
         kw = c("KERNEL_WEIGHTS")
-        if isinstance(kw, (set, frozenset)) or kw == {}:  # (an empty set renders as `{}`)
+        if isinstance(kw, (set, frozenset)):  # (`set()` when empty: ast.literal_eval reads it)
             kernel_weights = set(kw)
         if kernel_weights is None or not all(isinstance(n, str) for n in kernel_weights):
             f.append("KERNEL_WEIGHTS is not a literal set of tensor names")

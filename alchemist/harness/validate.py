@@ -44,7 +44,7 @@ class LoadedForValidation:
     def weights_for(self, backend: str, quantized: bool | None = None) -> dict:
         """The weights as `backend` runs them: GGUF blocks for the kernel backends (C, Numba), else float32
         (quantized=False forces float32 weights)."""
-        quantized = uses_quantized_kernels(backend) if quantized is None else quantized and uses_quantized_kernels(backend)
+        quantized = uses_quantized_kernels(backend) and quantized is not False
         if quantized not in self._weights:
             self._weights[quantized] = self.module.load_weights(self.path, quantized=quantized)
         return self._weights[quantized]
