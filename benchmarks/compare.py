@@ -116,7 +116,7 @@ def run_worker(kind: str, path: str, prompt: list[int], n_gen: int, backend: str
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
+    ap.add_argument("model", nargs="?", help="a GGUF path or a reference-model name (gemma-3-270m, qwen2.5-coder-0.5b)")
     ap.add_argument("--backends", default="c,numba")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -134,6 +134,8 @@ def main(argv=None) -> int:
         print(json.dumps(out))
         return 0
 
+    if args.model is None:
+        ap.error("MODEL is required")
     from alchemist.models import resolve_model
 
     path = resolve_model(args.model)
