@@ -31,13 +31,30 @@ def _fp16(x):
     return x.astype("float16").astype("float32")
 
 
+def _mul_f32(x, scale):
+    """float32(x · scale), exactly as C computes it.
+
+    Written plainly, PyTensor's rewrites sink the product into the switch that guards a zero scale and
+    canonicalize x · (127 / m) into (x · 127) / m, which rounds differently (41.499996 becomes 41.5, so an
+    activation lands on the other integer). The product of two float32 values is exact in float64, so
+    casting both up, multiplying, and casting back gives the float32 product whatever the rewrites do.
+    """
+    return (x.astype("float64") * scale.astype("float64")).astype("float32")
+
+
+def _div_f32(x, y):
+    """float32(x / y), correctly rounded: the rewrites would turn 1 / (-127 / m) into m / -127 (see _mul_f32);
+    a float64 quotient rounded to float32 is the correctly rounded float32 quotient (53 >= 2·24 + 2 bits)."""
+    return (pt.as_tensor_variable(x).astype("float64") / y.astype("float64")).astype("float32")
+
+
 def round_like_q8_0(x):
     """x (T, n), n % 32 == 0 -> the values llama.cpp's Q8_0 activation blocks represent."""
     blocks = x.reshape((x.shape[0], -1, 32))
     amax = pt.max(pt.abs(blocks), axis=-1, keepdims=True)
     inverse = pt.switch(pt.eq(amax, 0), np.float32(0), np.float32(127) / amax)
-    q = pt.round(blocks * inverse, mode="half_to_even")
-    return (q * _fp16(amax / np.float32(127))).reshape(x.shape)
+    q = pt.round(_mul_f32(blocks, inverse), mode="half_to_even")
+    return _mul_f32(q, _fp16(amax / np.float32(127))).reshape(x.shape)
 
 
 def round_like_q8_k(x):
@@ -47,8 +64,8 @@ def round_like_q8_k(x):
     signed_max = pt.switch(hi >= -lo, hi, lo)  # ggml takes the first element of largest |x| (ties aside)
     zero = pt.eq(signed_max, 0)
     iscale = np.float32(-127) / pt.switch(zero, np.float32(1), signed_max)
-    q = pt.minimum(pt.round(iscale * blocks, mode="half_to_even"), np.float32(127))
-    return pt.switch(zero, np.float32(0), q * (np.float32(1) / iscale)).reshape(x.shape)
+    q = pt.minimum(pt.round(_mul_f32(blocks, iscale), mode="half_to_even"), np.float32(127))
+    return pt.switch(zero, np.float32(0), _mul_f32(q, _div_f32(np.float32(1), iscale))).reshape(x.shape)
 
 
 def round_activations(x, weight_type: str):
