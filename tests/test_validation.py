@@ -131,12 +131,12 @@ def test_diff_names_the_first_divergent_op(fixture_files, tmp_path, monkeypatch)
 
 QWEN_GREEDY = pytest.mark.xfail(
     strict=True,
-    reason="measured: 29/32 fresh-prefix greedy decisions agree on C (float32 and kernel weights) and Numba (bar: 31); "
-    "prompt KL/top-1 pass. Located with `alchemist diff` and numpy: from llama.cpp's own layer inputs, dequantize + "
-    "its Q8_0/Q8_K activation rounding reproduces its layer-0 q/k/v and layer-0/1 FFN outputs to NMSE ~1e-13, while that rounding alone "
-    "puts NMSE 2.9e-4 on one FFN output, and a 1e-10 input perturbation becomes 1e-5 after it (outlier blocks). With the "
-    "rounding emulated bit-exactly (--llamacpp-rounding) 30/32, KL 9.9e-4: no op of ours "
-    "diverges; what remains is the oracle's activation quantization, amplified",
+    reason="measured: 29/32 fresh-prefix greedy decisions agree on every backend (C, Numba, JAX, MLX; bar: 31); "
+    "prompt KL/top-1 pass. Located with `alchemist diff` and numpy: from llama.cpp's own layer inputs, dequantize "
+    "+ its Q8_0/Q8_K activation rounding reproduces its layer-0 q/k/v and layer-0/1 FFN outputs to NMSE ~1e-13, "
+    "while that rounding alone puts NMSE 2.9e-4 on one FFN output, and a 1e-10 input perturbation becomes 1e-5 "
+    "after it (outlier blocks). With the rounding emulated bit-exactly (--llamacpp-rounding) 30/32, KL 9.9e-4: "
+    "no op of ours diverges; what remains is the oracle's activation quantization, amplified",
 )
 
 
