@@ -176,6 +176,29 @@ def test_encode_matches_llama_cpp(model):
     assert not bad, f"{len(bad)} of {3 * len(CORPUS)} encodings differ from llama.cpp, e.g. {bad[:3]}"
 
 
+def test_fast_path_encode_matches_llama_cpp(model):
+    """The same corpus through the Hugging Face merge table (prompts normally take the Python port)."""
+    tok, oracle = model
+    fast = Tokenizer(tok.vocab).build_fast_path()
+    assert fast._hf is not None and fast.build_info.n_merges
+    bad = _mismatches(fast, oracle, CORPUS)
+    assert not bad, f"{len(bad)} of {3 * len(CORPUS)} fast-path encodings differ from llama.cpp, e.g. {bad[:3]}"
+
+
+def test_fast_path_is_built_after_enough_text(model, monkeypatch):
+    import alchemist.tokenizer.tokenizer as tokenizer_module
+
+    tok, oracle = model
+    fresh = Tokenizer(tok.vocab)
+    monkeypatch.setattr(tokenizer_module, "FAST_PATH_AFTER_CHARS", 2000)
+    text = " ".join(CORPUS)
+    assert len(text) > 3000
+    assert fresh.encode(text[:500]) == oracle.tokenize(text[:500])
+    assert fresh._hf is None  # a short prompt never pays for the merge table
+    assert fresh.encode(text[:3000]) == oracle.tokenize(text[:3000])
+    assert fresh._hf is not None and fresh.build_info.fast_path_seconds > 0
+
+
 def test_decode_matches_llama_detokenize(model):
     tok, oracle = model
     bad = []
@@ -241,7 +264,7 @@ def test_build_time(gemma, qwen):
     """The 262k-token gemma vocabulary builds in a couple of seconds (measured by the session fixture)."""
     seconds = BUILD_SECONDS.get("gemma-3-270m-q4_k_m.gguf", gemma.build_info.seconds)
     print(
-        f"\ntokenizer build: gemma {seconds:.2f} s ({gemma.build_info.n_merges} merges), "
+        f"\ntokenizer build: gemma {seconds:.2f} s (fast path built on demand: {gemma.build_info.fast_path_seconds}), "
         f"qwen {BUILD_SECONDS.get('qwen2.5-coder-0.5b-instruct-q4_k_m.gguf', qwen.build_info.seconds):.2f} s"
     )
     assert seconds < 8.0  # ~1.5 s on an idle core; generous for loaded CI machines

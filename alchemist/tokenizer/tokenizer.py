@@ -68,10 +68,18 @@ UNICODE_TO_BYTE = {c: b for b, c in BYTE_TO_UNICODE.items()}
 class BuildInfo:
     """How the tokenizer was built (for reports and tests)."""
 
-    seconds: float
-    n_merges: int
+    seconds: float  # constructing the Tokenizer (the merge-table fast path is built later, on demand)
+    n_merges: int | None  # merges in the fast path's table; None until it is built (SPM derives them)
     exact_fast_path: bool  # False: every fragment goes through the Python port of llama.cpp's loop
     notes: tuple[str, ...] = ()
+    fast_path_seconds: float | None = None  # building the Hugging Face merge table, once it is built
+
+
+# The Python ports of llama.cpp's loops tokenize ~0.6 M characters/s; building the Hugging Face merge table
+# costs ~1.3 s for gemma's 262k vocabulary (515k derived merges), i.e. as much as ~800k characters. Short
+# inputs (prompts) therefore go through the port, and the table is built once this many characters have been
+# tokenized in total, so a model opens without paying for it. Both paths give llama.cpp's ids (tested).
+FAST_PATH_AFTER_CHARS = 200_000
 
 
 class Tokenizer:
@@ -86,16 +94,42 @@ class Tokenizer:
         self._t2i = vocab.token_to_id
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
         self._special_index = self._index_specials()
+        self._hf = None  # the merge-table fast path, built by build_fast_path()
+        self._ported_chars = 0  # characters tokenized by the Python port so far
         notes: list[str] = list(vocab.notes)
+        n_merges: int | None = None
         if vocab.kind == "spm":
-            n_merges, exact = self._build_spm(notes)
+            self._byte_ids: list[int | None] = [self._spm_byte_token_or_none(b) for b in range(256)]
+            exact = True
         else:
-            n_merges, exact = self._build_bpe(notes)
+            n_merges, exact = self._prepare_bpe(notes)
         self.build_info = BuildInfo(time.perf_counter() - t0, n_merges, exact, tuple(notes))
         self._chat = None
 
     # ------------------------------------------------------------------ construction
-    def _build_spm(self, notes: list[str]) -> tuple[int, bool]:
+    def build_fast_path(self) -> "Tokenizer":
+        """Build the Hugging Face merge table now (otherwise it is built after FAST_PATH_AFTER_CHARS)."""
+        if self._hf is None:
+            t0 = time.perf_counter()
+            notes = list(self.build_info.notes)
+            if self.vocab.kind == "spm":
+                self.build_info.n_merges = self._build_spm(notes)
+            else:
+                self._build_bpe()
+            self.build_info.notes = tuple(notes)
+            self.build_info.fast_path_seconds = time.perf_counter() - t0
+        return self
+
+    def _use_fast_path(self, text: str) -> bool:
+        """True when `text` should go through the merge table (building it once enough text has been seen)."""
+        if self._hf is None:
+            self._ported_chars += len(text)
+            if self._ported_chars <= FAST_PATH_AFTER_CHARS:
+                return False
+            self.build_fast_path()
+        return True
+
+    def _build_spm(self, notes: list[str]) -> int:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import models
 
@@ -106,19 +140,16 @@ class Tokenizer:
         all_chars = set("".join(v.tokens))
         # characters llama.cpp could merge although they are not tokens themselves
         self._merge_only_chars = frozenset(all_chars - self._single_chars)
-        self._byte_ids: list[int | None] = [self._spm_byte_token_or_none(b) for b in range(256)]
         hex_ids = [self._t2i.get(f"<0x{b:02X}>") for b in range(256)]
         self._hf_byte_fallback_ok = all(i is not None for i in hex_ids) and not byte_piece_merges
         if byte_piece_merges:
             notes.append("some merges use <0xXX> byte-token texts as pieces; unknown characters take the slow path")
-        hf = HFTokenizer(models.BPE(self._t2i, merges, byte_fallback=True, fuse_unk=False))
-        self._hf = hf
-        return len(merges), True
+        self._hf = HFTokenizer(models.BPE(self._t2i, merges, byte_fallback=True, fuse_unk=False))
+        return len(merges)
 
-    def _build_bpe(self, notes: list[str]) -> tuple[int, bool]:
-        from tokenizers import Regex
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import models, pre_tokenizers
+    def _prepare_bpe(self, notes: list[str]) -> tuple[int, bool]:
+        """What the Python BPE port needs (merge ranks, pre-tokenizer); the merge table waits."""
+        from tokenizers import Regex, pre_tokenizers
 
         v = self.vocab
         t2i = self._t2i
@@ -136,11 +167,19 @@ class Tokenizer:
         self._hf_pre = pre_tokenizers.Sequence(
             splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)]
         )
-        hf = HFTokenizer(models.BPE(t2i, good, byte_fallback=False, ignore_merges=v.ignore_merges))
-        hf.pre_tokenizer = self._hf_pre
-        self._hf = hf
+        self._good_merges = good
         self._bpe_exact = exact
         return len(good), exact
+
+    def _build_bpe(self) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models
+
+        hf = HFTokenizer(
+            models.BPE(self._t2i, self._good_merges, byte_fallback=False, ignore_merges=self.vocab.ignore_merges)
+        )
+        hf.pre_tokenizer = self._hf_pre
+        self._hf = hf
 
     def _spm_byte_token_or_none(self, b: int) -> int | None:
         tid = self._t2i.get(f"<0x{b:02X}>")
@@ -209,7 +248,7 @@ class Tokenizer:
     @property
     def hf_tokenizer(self):
         """The underlying `tokenizers.Tokenizer` (model and pre-tokenizer only; special tokens are handled here)."""
-        return self._hf
+        return self.build_fast_path()._hf
 
     def id_to_token(self, token_id: int) -> str:
         self._check_id(token_id)
@@ -319,6 +358,8 @@ class Tokenizer:
         return [f if isinstance(f, int) else text[f[0] : f[0] + f[1]] for f in frags]
 
     def _spm_fragment(self, text: str) -> list[int]:
+        if not self._use_fast_path(text):
+            return self.spm_reference(text)
         unknown = set(text) - self._single_chars
         if unknown and (not self._hf_byte_fallback_ok or not unknown.isdisjoint(self._merge_only_chars)):
             return self.spm_reference(text)
@@ -329,7 +370,7 @@ class Tokenizer:
         return spm_tokenize(escaped_text, self._t2i, self.vocab.scores, self._spm_byte_token)
 
     def _bpe_fragment(self, text: str) -> list[int]:
-        if self._bpe_exact:
+        if self._bpe_exact and self._use_fast_path(text):
             return self._hf.encode(text, add_special_tokens=False).ids
         return self.bpe_reference(text)
 
