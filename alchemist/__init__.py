@@ -5,6 +5,12 @@
     result = inference(model, input="What's causal inference?", max_tokens=32)
 """
 
+from alchemist.runtime.backends import configure_pytensor
+
+# PyTensor reads its flags once, at its first import: set them (system BLAS for the C backend, float32)
+# before any alchemist module can import it, so no import order degrades the C backend.
+configure_pytensor()
+
 __version__ = "0.1.0"
 __all__ = ["inference", "load_llm", "__version__"]
 
