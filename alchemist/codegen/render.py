@@ -7,7 +7,9 @@ rendered with StrictUndefined, formatted with black and parsed back with libcst 
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import re
 from pathlib import Path
 
@@ -64,7 +66,9 @@ def template_context(ir: ModelIR) -> dict:
     if not IDENTIFIER.match(ir.architecture):
         raise UnsupportedModelError(f"architecture name {ir.architecture!r} is not a valid identifier")
     if not ir.uniform_layers:
-        raise UnsupportedModelError(f"{ir.source_file}: layers with different head counts or MLP sizes are not supported")
+        raise UnsupportedModelError(
+            f"{ir.source_file}: layers with different head counts or MLP sizes are not supported"
+        )
     first = ir.layers[0]
     att, mlp = first.attention, first.mlp
     for lay in ir.layers:
@@ -113,7 +117,26 @@ def template_context(ir: ModelIR) -> dict:
 
 def render_module(ir: ModelIR) -> str:
     """Source text of the generated module for `ir`: rendered, black-formatted, libcst-parseable."""
-    source = _environment().get_template("model.py.j2").render(**template_context(ir))
-    source = black.format_str(source, mode=BLACK_MODE)
+    return _format(_environment().get_template("model.py.j2").render(**template_context(ir)))
+
+
+def _format(raw: str) -> str:
+    """black-format `raw` and check that libcst parses it; remembered on disk by the raw text's sha256
+    (black and libcst take 0.5 s for a model module, on every load_llm otherwise)."""
+    from alchemist.paths import cache_subdir
+
+    key = hashlib.sha256(f"{black.__version__}\0{BLACK_MODE}\0{raw}".encode()).hexdigest()
+    memo = cache_subdir("formatted") / f"{key}.py"
+    try:
+        return memo.read_text()
+    except OSError:
+        pass
+    source = black.format_str(raw, mode=BLACK_MODE)
     libcst.parse_module(source)  # raises on anything that is not valid Python
+    try:
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, memo)
+    except OSError:  # a read-only cache only costs the formatting next time
+        pass
     return source

@@ -71,12 +71,12 @@ class InferenceResult:
     report: dict = field(default_factory=dict)
 
 
-def _load_tokenizer(path: str):
+def _load_tokenizer(path: str, facts=None):
     try:
         from alchemist.tokenizer import load_tokenizer
     except ImportError:
         return None
-    return load_tokenizer(path)
+    return load_tokenizer(path, facts)
 
 
 def load_llm(
@@ -109,7 +109,7 @@ def load_llm(
     capacity = max(1, min(int(context), ir.n_ctx_train))
     engine = Engine(module, weights, backend, capacity)
     del weights
-    tokenizer = _load_tokenizer(path)
+    tokenizer = _load_tokenizer(path, facts)
     if compile_now:
         engine.step_function(1)
     load_seconds = time.perf_counter() - t0

@@ -44,6 +44,55 @@ def configure_pytensor() -> None:
         os.environ["PYTENSOR_FLAGS"] = ",".join(([flags] if flags else []) + extra)
 
 
+def restore_gcc_march_flags() -> None:
+    """Give PyTensor its `-march=native`-equivalent g++ flags from our cache instead of re-detecting them.
+
+    PyTensor detects them once per process by running g++ (0.3 s of every model load). They depend on the
+    compiler and the CPU only, so we remember them keyed by both; a different machine sharing the home
+    directory gets its own entry. Call after pytensor is imported, before anything is compiled.
+    """
+    import hashlib
+    import json
+    import shutil
+
+    import pytensor
+    from pytensor.link.c.cmodule import GCC_compiler
+
+    from alchemist.paths import cache_subdir
+
+    if GCC_compiler.march_flags is not None or not pytensor.config.cxx:
+        return
+    compiler = shutil.which(pytensor.config.cxx) or pytensor.config.cxx
+    try:
+        st = os.stat(compiler)
+        cpu = [
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "model name"))
+        ]
+    except OSError:
+        return
+    identity = [
+        os.path.realpath(compiler),
+        st.st_size,
+        st.st_mtime_ns,
+        sorted(set(cpu)),
+        pytensor.__version__,
+        pytensor.config.gcc__cxxflags,
+    ]
+    memo = cache_subdir("march") / (hashlib.sha256(json.dumps(identity).encode()).hexdigest() + ".json")
+    try:
+        flags = json.loads(memo.read_text())
+        if isinstance(flags, list) and all(isinstance(f, str) and f and f.split() == [f] for f in flags):
+            GCC_compiler.march_flags = flags
+            return
+    except (OSError, ValueError):
+        pass
+    GCC_compiler.compile_args()  # detects and sets GCC_compiler.march_flags
+    if GCC_compiler.march_flags is not None:
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(GCC_compiler.march_flags))
+        os.replace(tmp, memo)
+
+
 def blas_info() -> str:
     import pytensor
 

@@ -8,6 +8,7 @@ bucket so that prompts of different lengths share a compiled function.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import sys
 import time
@@ -18,14 +19,21 @@ from types import ModuleType
 import numpy as np
 
 from alchemist.errors import AlchemistError
-from alchemist.runtime.backends import configure_pytensor, get_mode, static_shapes
+from alchemist.runtime import graph_cache
+from alchemist.runtime.backends import configure_pytensor, get_mode, restore_gcc_march_flags, static_shapes
 
 configure_pytensor()
 
 import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402
 
+restore_gcc_march_flags()
+
 PREFILL_BUCKETS = (8, 32, 128, 512)
+
+
+_AS_IMPORTED = "_alchemist_as_imported"
+_SOURCE_SHA256 = "_alchemist_source_sha256"
 
 
 def import_generated(path: str | Path, name_suffix: str = "") -> ModuleType:
@@ -38,13 +46,27 @@ def import_generated(path: str | Path, name_suffix: str = "") -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    # what the module held when imported: a step graph is cached only while nothing has been replaced
+    # (a patched function, e.g. alchemist.harness.emulate's rounding `project`, builds a different graph)
+    module.__dict__[_AS_IMPORTED] = dict(vars(module))
+    module.__dict__[_SOURCE_SHA256] = hashlib.sha256(path.read_bytes()).hexdigest()
     return module
+
+
+def is_as_imported(module: ModuleType) -> bool:
+    """True when `module` came from import_generated and none of its names has been rebound since."""
+    snapshot = getattr(module, _AS_IMPORTED, None)
+    if snapshot is None:
+        return False
+    current = vars(module)
+    return all(current.get(name) is value for name, value in snapshot.items())
 
 
 @dataclass
 class StepStats:
     compile_count: int = 0
     compile_seconds: float = 0.0
+    graph_cache_hits: int = 0
     compiled_shapes: list = field(default_factory=list)
 
 
@@ -137,15 +159,42 @@ class Engine:
         fn = self._functions.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            inputs, logits, updates = self._build(n_tokens, all_logits)
-            fn = pytensor.function(
-                inputs, logits, updates=updates, mode=self.mode, accept_inplace=True, on_unused_input="ignore"
-            )
+            cache_key = self._graph_cache_key(n_tokens, all_logits)
+            fn = graph_cache.load(cache_key, self._shared_by_name(), self.mode) if cache_key else None
+            if fn is not None:
+                self.stats.graph_cache_hits += 1
+            else:
+                inputs, logits, updates = self._build(n_tokens, all_logits)
+                fn = pytensor.function(
+                    inputs, logits, updates=updates, mode=self.mode, accept_inplace=True, on_unused_input="ignore"
+                )
+                if cache_key:
+                    graph_cache.save(cache_key, fn)
             self.stats.compile_seconds += time.perf_counter() - t0
             self.stats.compile_count += 1
             self.stats.compiled_shapes.append(key)
             self._functions[key] = fn
         return fn
+
+    def _shared_by_name(self) -> dict:
+        shared = dict(self.weights)
+        for k, v in self.cache:
+            shared[k.name], shared[v.name] = k, v
+        return shared
+
+    def _graph_cache_key(self, n_tokens: int, all_logits: bool) -> str | None:
+        """The rewritten-graph cache key of a step function, or None when the cache is off or the module has
+        been modified since import_generated."""
+        if not graph_cache.enabled() or not is_as_imported(self.module):
+            return None
+        if self.backend == "numba":
+            # the kernels' Numba implementations are registered by a rewrite, which a cached graph skips
+            from alchemist.kernels import register_numba
+
+            register_numba()
+        spec = {"n_tokens": n_tokens, "all_logits": all_logits, "capacity": self.capacity, "static": self.static}
+        source_sha256 = getattr(self.module, _SOURCE_SHA256)
+        return graph_cache.step_key(source_sha256, self.backend, self.mode, self._shared_by_name(), spec)
 
     def taps_function(self, n_tokens: int):
         """A function returning every named intermediate (llama.cpp names) for a fresh sequence."""

@@ -568,11 +568,14 @@ def _clean_spaces(text: bytes) -> bytes:
     return bytes(t[:total])
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Build a llama.cpp-exact tokenizer from a GGUF file's own metadata (nothing is downloaded)."""
+def load_tokenizer(path: str | os.PathLike, facts=None) -> Tokenizer:
+    """Build a llama.cpp-exact tokenizer from a GGUF file's own metadata (nothing is downloaded).
+
+    `facts`: the file's already parsed `read_gguf(path)`, to avoid reading its vocabulary twice."""
     from alchemist.gguf_io import read_gguf
 
-    facts = read_gguf(path)
+    if facts is None:
+        facts = read_gguf(path)
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         vocab = read_vocab(facts.metadata, str(Path(path)))

@@ -1,0 +1,185 @@
+"""The rewritten-graph disk cache (alchemist.runtime.graph_cache) and the load-path caches.
+
+A cached step function must compute exactly what a freshly compiled one computes (same logits, same KV
+cache updates), in this process and in a new one; anything that would change the graph must miss; a
+damaged entry must fall back to compiling with a warning, never stop a model from loading.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+from alchemist.runtime import graph_cache
+from alchemist.runtime.engine import Engine, import_generated
+
+PROMPT = [2, 7, 11, 5, 3]
+DECODE = [9, 4, 13, 6]
+
+
+@pytest.fixture
+def graph_dir(tmp_path, monkeypatch):
+    """A private, empty graph cache (models stay where they are: only the graph directory moves)."""
+    target = tmp_path / "graphs"
+    monkeypatch.setattr(graph_cache, "cache_dir", lambda: target)
+    monkeypatch.delenv("ALCHEMIST_GRAPH_CACHE", raising=False)
+    return target
+
+
+@pytest.fixture(scope="module")
+def q8_module(tiny_gguf, tmp_path_factory):
+    """A Q8_0 fixture (llama.cpp's quantizer), so the quantized-matmul kernel Ops are in the cached graph."""
+    pytest.importorskip("llama_cpp")
+    from alchemist.arch import build_model_ir
+    from alchemist.gguf_io import read_gguf
+    from alchemist.harness import quantize_fixture
+    from alchemist.runtime.api import write_generated
+
+    root = tmp_path_factory.mktemp("graph_cache")
+    path = root / "qwen2-Q8_0.gguf"
+    quantize_fixture(tiny_gguf("qwen2"), path, "Q8_0", nthread=1)
+    return import_generated(write_generated(build_model_ir(read_gguf(path)), root)), path
+
+
+def _generate(engine: Engine) -> np.ndarray:
+    """Prefill logits of every prompt position, then four decode steps (each reads the updated cache)."""
+    engine.reset()
+    rows = [engine.run(PROMPT, 0, all_logits=True)]
+    rows += [engine.run([t], len(PROMPT) + i) for i, t in enumerate(DECODE)]
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("backend", ["c", "numba"])
+def test_cached_graph_computes_what_a_compiled_one_does(q8_module, graph_dir, backend):
+    mod, path = q8_module
+    weights = mod.load_weights(str(path), quantized=True)
+    fresh = Engine(mod, weights, backend, 32)
+    expected = _generate(fresh)
+    assert fresh.stats.graph_cache_hits == 0 and fresh.stats.compile_count == 2
+    assert len(list(graph_dir.glob("*.pkl"))) == 2  # prefill bucket and decode step
+
+    cached = Engine(mod, weights, backend, 32)
+    got = _generate(cached)
+    assert cached.stats.graph_cache_hits == 2
+    np.testing.assert_array_equal(got, expected)
+    # the cached function updated this engine's own KV cache, not the first engine's
+    k_fresh, k_cached = fresh.cache[0][0].get_value(), cached.cache[0][0].get_value()
+    np.testing.assert_array_equal(k_cached, k_fresh)
+    assert np.abs(k_cached[: len(PROMPT) + len(DECODE) - 1]).max() > 0
+
+
+def test_a_new_process_links_the_cached_graph(tiny_module, graph_dir, tmp_path):
+    mod, path = tiny_module("qwen2")
+    expected = _generate(Engine(mod, mod.load_weights(str(path)), "c", 32))
+    out = tmp_path / "child.npy"
+    script = textwrap.dedent(
+        f"""
+        import numpy as np
+        from pathlib import Path
+        from alchemist.runtime import graph_cache
+        graph_cache.cache_dir = lambda: Path({str(graph_dir)!r})
+        from alchemist.runtime.engine import Engine, import_generated
+        mod = import_generated({mod.__file__!r})
+        engine = Engine(mod, mod.load_weights({str(path)!r}), "c", 32)
+        rows = [engine.run({PROMPT!r}, 0, all_logits=True)]
+        rows += [engine.run([t], {len(PROMPT)} + i) for i, t in enumerate({DECODE!r})]
+        assert engine.stats.graph_cache_hits == 2, engine.stats
+        np.save({str(out)!r}, np.concatenate(rows))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ALCHEMIST_GRAPH_CACHE"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    np.testing.assert_array_equal(np.load(out), expected)
+
+
+def test_anything_that_changes_the_graph_misses(tiny_module, graph_dir):
+    mod, path = tiny_module("qwen2")
+    weights = mod.load_weights(str(path))
+    engine = Engine(mod, weights, "c", 32)
+    key = engine._graph_cache_key(1, False)
+    assert key == Engine(mod, weights, "c", 32)._graph_cache_key(1, False)  # stable
+    assert key != engine._graph_cache_key(8, False)
+    assert key != engine._graph_cache_key(1, True)
+    assert key != Engine(mod, weights, "c", 64)._graph_cache_key(1, False)  # capacity
+    assert key != Engine(mod, weights, "numba", 32)._graph_cache_key(1, False)
+    other = dict(weights)
+    name = next(iter(other))
+    other[name] = other[name].astype(np.float64)
+    assert key != Engine(mod, other, "c", 32)._graph_cache_key(1, False)  # a weight's dtype
+
+    # a patched module builds another graph: it is never cached (alchemist.harness.emulate does this)
+    patched = import_generated(mod.__file__, name_suffix="_patched")
+    assert Engine(patched, weights, "c", 32)._graph_cache_key(1, False) == key
+    patched.rms_norm = lambda x, w: x
+    assert Engine(patched, weights, "c", 32)._graph_cache_key(1, False) is None
+
+
+def test_cache_can_be_turned_off(tiny_module, graph_dir, monkeypatch):
+    mod, path = tiny_module("qwen2")
+    monkeypatch.setenv("ALCHEMIST_GRAPH_CACHE", "0")
+    engine = Engine(mod, mod.load_weights(str(path)), "c", 32)
+    engine.run([1], 0)
+    assert engine._graph_cache_key(1, False) is None
+    assert not graph_dir.exists() or not list(graph_dir.iterdir())
+
+
+def test_damaged_entry_warns_and_recompiles(tiny_module, graph_dir):
+    mod, path = tiny_module("qwen2")
+    weights = mod.load_weights(str(path))
+    expected = Engine(mod, weights, "c", 32).run(PROMPT, 0, all_logits=True)
+    (entry,) = graph_dir.glob("*.pkl")
+    entry.write_bytes(entry.read_bytes()[:1000])
+    engine = Engine(mod, weights, "c", 32)
+    with pytest.warns(UserWarning, match="graph cache: .* unusable"):
+        got = engine.run(PROMPT, 0, all_logits=True)
+    np.testing.assert_array_equal(got, expected)
+    assert engine.stats.graph_cache_hits == 0
+    # the recompiled function replaced the damaged entry
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = Engine(mod, weights, "c", 32)
+        np.testing.assert_array_equal(again.run(PROMPT, 0, all_logits=True), expected)
+    assert again.stats.graph_cache_hits == 1
+
+
+def test_entries_hold_the_graph_not_the_weights(tiny_module, graph_dir):
+    mod, path = tiny_module("qwen2")
+    weights = mod.load_weights(str(path))
+    Engine(mod, weights, "c", 32).run([1], 0)
+    (entry,) = graph_dir.glob("*.pkl")
+    biggest = max(w.nbytes for w in weights.values())
+    assert entry.stat().st_size < biggest  # shared variables were replaced by placeholders
+
+
+def test_importing_alchemist_first_gives_pytensor_its_blas():
+    """Any alchemist import configures PyTensor before it is imported (it reads its flags only once)."""
+    from alchemist.runtime.backends import _system_openblas
+
+    expected = _system_openblas()
+    if expected is None:
+        pytest.skip("no system OpenBLAS on this machine")
+    env = {k: v for k, v in os.environ.items() if k != "PYTENSOR_FLAGS"}
+    code = "import alchemist.arch, pytensor; print(pytensor.config.blas__ldflags)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == expected
+
+
+def test_file_sha256_is_remembered_until_the_file_changes(tmp_path):
+    import hashlib
+
+    from alchemist.gguf_io.reader import _cached_file_sha256
+
+    f = tmp_path / "blob.bin"
+    f.write_bytes(b"a" * 1000)
+    assert _cached_file_sha256(str(f)) == hashlib.sha256(b"a" * 1000).hexdigest()
+    assert _cached_file_sha256(str(f)) == hashlib.sha256(b"a" * 1000).hexdigest()
+    f.write_bytes(b"b" * 1001)  # new size and mtime: hashed again
+    assert _cached_file_sha256(str(f)) == hashlib.sha256(b"b" * 1001).hexdigest()
