@@ -183,3 +183,32 @@ def test_file_sha256_is_remembered_until_the_file_changes(tmp_path):
     assert _cached_file_sha256(str(f)) == hashlib.sha256(b"a" * 1000).hexdigest()
     f.write_bytes(b"b" * 1001)  # new size and mtime: hashed again
     assert _cached_file_sha256(str(f)) == hashlib.sha256(b"b" * 1001).hexdigest()
+
+
+def test_fast_link_reuses_modules_and_changes_nothing(tiny_module, tmp_path):
+    """alchemist.runtime.fast_link on (the default) vs off in a fresh process: bit-identical logits."""
+    from alchemist.runtime import fast_link
+
+    mod, path = tiny_module("gemma3")
+    before = fast_link.stats["reused"]
+    with_fast_link = _generate(Engine(mod, mod.load_weights(str(path)), "c", 32))
+    assert fast_link.stats["reused"] > before  # the layers' repeated nodes reused their modules
+
+    out = tmp_path / "plain.npy"
+    script = textwrap.dedent(
+        f"""
+        import numpy as np
+        from alchemist.runtime import fast_link
+        from alchemist.runtime.engine import Engine, import_generated
+        assert not fast_link._enabled
+        mod = import_generated({mod.__file__!r})
+        engine = Engine(mod, mod.load_weights({str(path)!r}), "c", 32)
+        rows = [engine.run({PROMPT!r}, 0, all_logits=True)]
+        rows += [engine.run([t], {len(PROMPT)} + i) for i, t in enumerate({DECODE!r})]
+        np.save({str(out)!r}, np.concatenate(rows))
+        """
+    )
+    env = dict(os.environ, ALCHEMIST_FAST_LINK="0", ALCHEMIST_GRAPH_CACHE="0")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    np.testing.assert_array_equal(np.load(out), with_fast_link)

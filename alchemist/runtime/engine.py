@@ -19,7 +19,7 @@ from types import ModuleType
 import numpy as np
 
 from alchemist.errors import AlchemistError
-from alchemist.runtime import graph_cache
+from alchemist.runtime import fast_link, graph_cache
 from alchemist.runtime.backends import configure_pytensor, get_mode, restore_gcc_march_flags, static_shapes
 
 configure_pytensor()
@@ -28,6 +28,7 @@ import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402
 
 restore_gcc_march_flags()
+fast_link.enable()
 
 PREFILL_BUCKETS = (8, 32, 128, 512)
 
