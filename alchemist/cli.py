@@ -96,7 +96,8 @@ def _cmd_run(args) -> int:
         f"\n[{r['backend']}] prompt {r['prompt_tokens']} tok, prefill {t['prefill_tok_per_s']} tok/s | "
         f"generated {r['generated_tokens']} tok, decode {t['decode_tok_per_s']} tok/s | "
         f"compile {t['compile_s_total']} s ({r['compilations']['total']} functions, "
-        f"{r['compilations']['during_decode']} during decode) | load {t['load_s']} s | "
+        f"{r['compilations']['during_decode']} during decode) | load {t['load_s']} s, "
+        f"first token {t['load_s'] + t['first_token_s']:.2f} s after opening | "
         f"peak RSS {r['memory']['peak_rss_mb']:.0f} MB | stop: {r['stop_reason']}",
         file=sys.stderr,
     )
