@@ -12,3 +12,21 @@ def cache_subdir(name: str) -> Path:
     path = Path(base) / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def remember(path: Path, data: str | bytes) -> bool:
+    """Write a cache file atomically (a temporary file, then a rename, so readers never see half of it).
+
+    Returns False instead of raising when the cache cannot be written (read-only or full disk): a cache
+    that cannot be kept only costs recomputing next time."""
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
+    try:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+    return True

@@ -149,6 +149,23 @@ def test_damaged_entry_warns_and_recompiles(tiny_module, graph_dir):
     assert again.stats.graph_cache_hits == 1
 
 
+def test_an_unusable_cache_directory_only_costs_compiling(tiny_module, tmp_path, monkeypatch):
+    from alchemist.paths import cache_subdir
+
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("ALCHEMIST_CACHE", str(blocker))  # cache_subdir cannot mkdir below a file
+    monkeypatch.setattr(graph_cache, "cache_dir", lambda: cache_subdir("graphs"))
+    mod, path = tiny_module("qwen2")
+    weights = mod.load_weights(str(path))
+    with pytest.warns(UserWarning, match="graph cache: cannot use"):
+        first = Engine(mod, weights, "c", 32).run([1, 2], 0)
+    with pytest.warns(UserWarning, match="graph cache: cannot use"):
+        second = Engine(mod, weights, "c", 32)
+        np.testing.assert_array_equal(second.run([1, 2], 0), first)
+    assert second.stats.graph_cache_hits == 0 and second.stats.compile_count == 1
+
+
 def test_entries_hold_the_graph_not_the_weights(tiny_module, graph_dir):
     mod, path = tiny_module("qwen2")
     weights = mod.load_weights(str(path))

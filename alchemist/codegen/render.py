@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
 from pathlib import Path
 
@@ -123,7 +122,7 @@ def render_module(ir: ModelIR) -> str:
 def _format(raw: str) -> str:
     """black-format `raw` and check that libcst parses it; remembered on disk by the raw text's sha256
     (black and libcst take 0.5 s for a model module, on every load_llm otherwise)."""
-    from alchemist.paths import cache_subdir
+    from alchemist.paths import cache_subdir, remember
 
     key = hashlib.sha256(f"{black.__version__}\0{BLACK_MODE}\0{raw}".encode()).hexdigest()
     memo = cache_subdir("formatted") / f"{key}.py"
@@ -133,10 +132,5 @@ def _format(raw: str) -> str:
         pass
     source = black.format_str(raw, mode=BLACK_MODE)
     libcst.parse_module(source)  # raises on anything that is not valid Python
-    try:
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        os.replace(tmp, memo)
-    except OSError:  # a read-only cache only costs the formatting next time
-        pass
+    remember(memo, source)
     return source

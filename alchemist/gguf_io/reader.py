@@ -486,7 +486,7 @@ def _parse(path: str, mm: mmap.mmap, max_elements: int) -> GGUFFacts:
 
 
 def _cached_file_sha256(path: str) -> str:
-    from alchemist.paths import cache_subdir
+    from alchemist.paths import cache_subdir, remember
 
     st = os.stat(path)
     identity = f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
@@ -502,10 +502,5 @@ def _cached_file_sha256(path: str) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     digest = h.hexdigest()
-    try:
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(digest)
-        os.replace(tmp, memo)
-    except OSError:  # a read-only cache only costs the hashing next time
-        pass
+    remember(memo, digest)
     return digest

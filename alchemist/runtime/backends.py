@@ -58,7 +58,7 @@ def restore_gcc_march_flags() -> None:
     import pytensor
     from pytensor.link.c.cmodule import GCC_compiler
 
-    from alchemist.paths import cache_subdir
+    from alchemist.paths import cache_subdir, remember
 
     if GCC_compiler.march_flags is not None or not pytensor.config.cxx:
         return
@@ -88,9 +88,7 @@ def restore_gcc_march_flags() -> None:
         pass
     GCC_compiler.compile_args()  # detects and sets GCC_compiler.march_flags
     if GCC_compiler.march_flags is not None:
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(GCC_compiler.march_flags))
-        os.replace(tmp, memo)
+        remember(memo, json.dumps(GCC_compiler.march_flags))
 
 
 def blas_info() -> str:

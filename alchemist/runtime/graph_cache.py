@@ -26,7 +26,7 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
-from alchemist.paths import cache_subdir
+from alchemist.paths import cache_subdir, remember
 
 FORMAT_VERSION = 1
 # A rewritten graph is a few MB; a file much larger than this would mean data leaked into it (a weight
@@ -136,12 +136,13 @@ def save(key: str, fn) -> Path | None:
     if len(data) > MAX_ENTRY_BYTES:
         warnings.warn(f"graph cache: rewritten graph is {len(data) / 2**20:.0f} MB, not cached", stacklevel=2)
         return None
-    target = _path(key)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
-    return target
+    try:
+        target = _path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # the cache directory cannot be created: compile every time, say so
+        warnings.warn(f"graph cache: cannot use {exc.filename} ({exc.strerror}); not cached", stacklevel=2)
+        return None
+    return target if remember(target, data) else None
 
 
 def load(key: str, shared: dict, mode):
@@ -153,7 +154,10 @@ def load(key: str, shared: dict, mode):
     from pytensor.compile.maker import FunctionMaker
     from pytensor.graph.fg import FunctionGraph
 
-    path = _path(key)
+    try:
+        path = _path(key)
+    except OSError:
+        return None  # save() reports it
     if not path.exists():
         return None
     try:
