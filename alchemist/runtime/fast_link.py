@@ -56,6 +56,27 @@ def _node_signature(node, no_recycling):
     return (node.op, tuple(v.type for v in inputs), outputs, params, config.get_config_hash()), extra
 
 
+def _signature(linker):
+    """The signature of a single-node CLinker (constants by their signature), else None."""
+    from pytensor import config
+    from pytensor.graph.basic import Constant
+
+    nodes = linker.node_order
+    if len(nodes) != 1 or not all(isinstance(o, Constant) for o in linker.orphans):
+        return None
+    (node,) = nodes
+    inputs = []
+    for var in node.inputs:
+        if isinstance(var, Constant):
+            sig = var.signature()
+            hash(sig)  # an unhashable constant (TypeError) takes PyTensor's own path
+            inputs.append(("constant", sig))
+        else:
+            inputs.append(("input", var.type, node.inputs.index(var)))
+    outputs = tuple((out.type, out in linker.no_recycling) for out in node.outputs)
+    return (node.op, tuple(inputs), outputs, config.get_config_hash())
+
+
 def enable() -> None:
     """Install the wrapper once per process (a no-op when ALCHEMIST_FAST_LINK=0)."""
     global _enabled
