@@ -1,8 +1,8 @@
 """alchemist: GGUF language models as readable, inspectable PyTensor code.
 
-    from alchemist import load_llm, inference
-    model = load_llm("gemma-3-270m-q4_k_m.gguf", backend="c")
-    result = inference(model, input="What's causal inference?", max_tokens=32)
+from alchemist import load_llm, inference
+model = load_llm("gemma-3-270m-q4_k_m.gguf", backend="c")
+result = inference(model, input="What's causal inference?", max_tokens=32)
 """
 
 from alchemist.runtime.backends import configure_pytensor

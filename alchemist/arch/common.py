@@ -40,7 +40,9 @@ class Hparams:
         full, v = self._raw(key, default)
         if isinstance(v, np.ndarray):
             if v.size == 0 or not np.all(v == v.flat[0]):
-                raise UnsupportedModelError(f"{self.facts.path}: {full}: per-layer values {v.tolist()} are not supported")
+                raise UnsupportedModelError(
+                    f"{self.facts.path}: {full}: per-layer values {v.tolist()} are not supported"
+                )
             v = v.flat[0].item()
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise GGUFError(self.facts.path, full, f"expected an integer, got {type(v).__name__}")
@@ -91,8 +93,17 @@ class FamilyProfile:
     notes: tuple[str, ...] = field(default=())
 
 
-LAYER_CORE = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-              "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+LAYER_CORE = (
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
 
 
 def _binding(facts: GGUFFacts, name: str, role: str, expected_shape: tuple[int, ...]) -> TensorBinding:
@@ -114,27 +125,36 @@ def build_ir(facts: GGUFFacts, profile: FamilyProfile) -> ModelIR:
     n_ctx = hp.int("context_length", minimum=1)
     n_head = hp.int("attention.head_count", minimum=1)
     if n_head > n_embd:
-        raise GGUFError(facts.path, f"{profile.name}.attention.head_count",
-                        f"{n_head} heads for an embedding of only {n_embd}")
+        raise GGUFError(
+            facts.path, f"{profile.name}.attention.head_count", f"{n_head} heads for an embedding of only {n_embd}"
+        )
     n_kv_head = hp.int("attention.head_count_kv", default=n_head, minimum=1)
     if n_head % n_kv_head:
-        raise GGUFError(facts.path, f"{profile.name}.attention.head_count_kv",
-                        f"{n_kv_head} does not divide head_count {n_head}")
+        raise GGUFError(
+            facts.path, f"{profile.name}.attention.head_count_kv", f"{n_kv_head} does not divide head_count {n_head}"
+        )
     head_dim = hp.int("attention.key_length", default=n_embd // n_head, minimum=1)
     head_dim_v = hp.int("attention.value_length", default=n_embd // n_head, minimum=1)
     if head_dim_v != head_dim:
-        raise UnsupportedModelError(f"{facts.path}: key_length {head_dim} != value_length {head_dim_v} is not supported")
+        raise UnsupportedModelError(
+            f"{facts.path}: key_length {head_dim} != value_length {head_dim_v} is not supported"
+        )
     rope_dim = hp.int("rope.dimension_count", default=head_dim, minimum=2)
     if rope_dim > head_dim or rope_dim % 2:
-        raise GGUFError(facts.path, f"{profile.name}.rope.dimension_count",
-                        f"{rope_dim} must be even and at most the head size {head_dim}")
+        raise GGUFError(
+            facts.path,
+            f"{profile.name}.rope.dimension_count",
+            f"{rope_dim} must be even and at most the head size {head_dim}",
+        )
     n_ff = hp.int("feed_forward_length", minimum=1)
     rms_eps = hp.float("attention.layer_norm_rms_epsilon", positive=True)
     rope_base = hp.float("rope.freq_base", default=10000.0, positive=True)
     scaling_type = hp.str("rope.scaling.type", default="linear" if _has(hp, "rope.scaling.factor") else "none")
     if scaling_type not in profile.supported_rope_scaling:
-        raise UnsupportedModelError(f"{facts.path}: {profile.name}.rope.scaling.type {scaling_type!r} is not supported "
-                                    f"(supported: {', '.join(profile.supported_rope_scaling)})")
+        raise UnsupportedModelError(
+            f"{facts.path}: {profile.name}.rope.scaling.type {scaling_type!r} is not supported "
+            f"(supported: {', '.join(profile.supported_rope_scaling)})"
+        )
     factor = hp.float("rope.scaling.factor", default=0.0)
     if factor == 0.0:
         factor = hp.float("rope.scale_linear", default=0.0)
@@ -191,7 +211,9 @@ def build_ir(facts: GGUFFacts, profile: FamilyProfile) -> ModelIR:
 
     bind("token_embd.weight", "embedding", (n_vocab, n_embd))
     bind("output_norm.weight", "norm", (n_embd,))
-    tied = not bind("output.weight", "linear", (n_vocab, n_embd), required="output.weight" not in profile.optional_global_tensors)
+    tied = not bind(
+        "output.weight", "linear", (n_vocab, n_embd), required="output.weight" not in profile.optional_global_tensors
+    )
     has_rope_freqs = bind("rope_freqs.weight", "rope_freqs", (rope_dim // 2,), required=False)
 
     layers = []
@@ -227,10 +249,19 @@ def build_ir(facts: GGUFFacts, profile: FamilyProfile) -> ModelIR:
             bind(p + "ffn_up.bias", "bias", (n_ff,))
             bind(p + "ffn_down.bias", "bias", (n_embd,))
         attention = AttentionSpec(
-            n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim, head_dim_v=head_dim_v, rope_dim=rope_dim,
-            rope_base=bases[il], rope_freq_scale=1.0 if windows[il] else rope_freq_scale,
-            sliding_window=windows[il], score_scale=score_scale, q_norm=profile.qk_norm, k_norm=profile.qk_norm,
-            qkv_bias=qkv_bias, out_bias=bool(out_bias),
+            n_head=n_head,
+            n_kv_head=n_kv_head,
+            head_dim=head_dim,
+            head_dim_v=head_dim_v,
+            rope_dim=rope_dim,
+            rope_base=bases[il],
+            rope_freq_scale=1.0 if windows[il] else rope_freq_scale,
+            sliding_window=windows[il],
+            score_scale=score_scale,
+            q_norm=profile.qk_norm,
+            k_norm=profile.qk_norm,
+            qkv_bias=qkv_bias,
+            out_bias=bool(out_bias),
         )
         mlp = MLPSpec(n_ff=n_ff, activation=profile.activation, gated=True, bias=mlp_bias)
         layers.append(LayerSpec(il, attention, mlp, profile.sandwich_norms, profile.sandwich_norms))
@@ -240,7 +271,9 @@ def build_ir(facts: GGUFFacts, profile: FamilyProfile) -> ModelIR:
         raise UnsupportedModelError(f"{facts.path}: {profile.name} model is missing tensors: {shown}")
     unknown = [n for n in tensors if n not in bindings]
     if unknown:
-        shown = ", ".join(repr(n) for n in unknown[:12]) + (f" … and {len(unknown) - 12} more" if len(unknown) > 12 else "")
+        shown = ", ".join(repr(n) for n in unknown[:12]) + (
+            f" … and {len(unknown) - 12} more" if len(unknown) > 12 else ""
+        )
         raise UnsupportedModelError(f"{facts.path}: tensors the {profile.name} profile does not know: {shown}")
 
     # Keep GGUF file order: it is the order the loader reads the memory map in.

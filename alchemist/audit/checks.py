@@ -1581,7 +1581,9 @@ def check_orientation(ctx: Context) -> CheckResult:
         else:
             x, weight = params[0], params[1]
             nodes = list(walk(linear.body))
-            wrapped = {id(i) for i in (_transposed_of_weight_product(src, n, x, weight) for n in nodes) if i is not None}
+            wrapped = {
+                id(i) for i in (_transposed_of_weight_product(src, n, x, weight) for n in nodes) if i is not None
+            }
             forms = [(n, True if id(n) in wrapped else _transposed_product(src, n, x, weight)) for n in nodes]
             forms = [(n, ok) for n, ok in forms if ok is not None]
             if not forms:

@@ -82,7 +82,11 @@ def round_activations(x, weight_type: str):
 def gelu_fp16_table(x):
     """ggml's table GELU: gelu of the fp16-rounded input, rounded to fp16; exact outside (-10, 10)."""
     x16 = _fp16(x)
-    g = np.float32(0.5) * x16 * (1 + pt.tanh(np.float32(0.7978845608028654) * x16 * (1 + np.float32(0.044715) * x16 * x16)))
+    g = (
+        np.float32(0.5)
+        * x16
+        * (1 + pt.tanh(np.float32(0.7978845608028654) * x16 * (1 + np.float32(0.044715) * x16 * x16)))
+    )
     return pt.switch(x <= -10, np.float32(0), pt.switch(x >= 10, x, _fp16(g)))
 
 

@@ -88,8 +88,16 @@ def layer_nmse(engine, oracle, prompt: list[int]) -> dict:
     return {"order": order, "nmse": per_tensor, "first_divergence": report.name, "divergent_nmse": report.nmse}
 
 
-def validate_backend(loaded: LoadedForValidation, backend: str, oracle, prompt: list[int], n_generate: int,
-                     context: int, engine=None, quantized: bool | None = None) -> dict:
+def validate_backend(
+    loaded: LoadedForValidation,
+    backend: str,
+    oracle,
+    prompt: list[int],
+    n_generate: int,
+    context: int,
+    engine=None,
+    quantized: bool | None = None,
+) -> dict:
     """Validate one backend. Pass `engine` to reuse its compiled functions: its weights are replaced by
     `loaded.weights_for(backend)`, which must have the same names, dtypes and shapes (e.g. the same fixture
     at another weight type that the backend also runs as float32)."""
@@ -142,10 +150,15 @@ def validate_backend(loaded: LoadedForValidation, backend: str, oracle, prompt: 
         layers = layer_nmse(engine, oracle, prompt)
         worst = max(layers["nmse"].values()) if layers["nmse"] else 0.0
         if layers["first_divergence"]:
-            failures.append(f"layer outputs: first divergence at {layers['first_divergence']} "
-                            f"(NMSE {layers['divergent_nmse']:.3g})")
-        result["layers"] = {"n_compared": len(layers["nmse"]), "max_nmse": worst,
-                            "first_divergence": layers["first_divergence"]}
+            failures.append(
+                f"layer outputs: first divergence at {layers['first_divergence']} "
+                f"(NMSE {layers['divergent_nmse']:.3g})"
+            )
+        result["layers"] = {
+            "n_compared": len(layers["nmse"]),
+            "max_nmse": worst,
+            "first_divergence": layers["first_divergence"],
+        }
     result["compile_count"] = engine.stats.compile_count
     result["compile_s"] = round(engine.stats.compile_seconds, 2)
     result["seconds"] = round(time.perf_counter() - t0, 2)
@@ -164,9 +177,16 @@ def prompt_ids_for(path: str, text: str | None) -> list[int]:
     return load_tokenizer(path).encode(text or DEFAULT_PROMPT)
 
 
-def validate_model(path: str, backends: list[str], prompt: list[int] | None = None, n_generate: int = 32,
-                   context: int = 256, n_threads: int | None = None, progress=print,
-                   llamacpp_rounding: bool = False) -> dict:
+def validate_model(
+    path: str,
+    backends: list[str],
+    prompt: list[int] | None = None,
+    n_generate: int = 32,
+    context: int = 256,
+    n_threads: int | None = None,
+    progress=print,
+    llamacpp_rounding: bool = False,
+) -> dict:
     from alchemist.harness.oracle import LlamaCppOracle
 
     loaded = load_for_validation(path, llamacpp_rounding=llamacpp_rounding)
@@ -244,8 +264,14 @@ def write_validation(report: dict, out_dir: str | Path, stem: str) -> list[Path]
     return [js, md]
 
 
-def diff_model(path: str, backend: str, prompt: list[int], tol: float | None = None, context: int = 256,
-               llamacpp_rounding: bool = False) -> dict:
+def diff_model(
+    path: str,
+    backend: str,
+    prompt: list[int],
+    tol: float | None = None,
+    context: int = 256,
+    llamacpp_rounding: bool = False,
+) -> dict:
     """Layer-by-layer comparison with llama.cpp; names the first tensor whose NMSE exceeds tol."""
     from alchemist.harness.oracle import LlamaCppOracle
     from alchemist.runtime.engine import Engine

@@ -144,7 +144,9 @@ def _prompt_ids(model: LoadedModel, input, chat: bool | None, add_special_tokens
         messages = list(input)
     else:
         if not isinstance(input, str):
-            raise AlchemistError(f"input must be a string, a list of chat messages or token ids, not {type(input).__name__}")
+            raise AlchemistError(
+                f"input must be a string, a list of chat messages or token ids, not {type(input).__name__}"
+            )
         messages = [{"role": "user", "content": input}]
     if chat:
         if not tok.has_chat_template:
@@ -198,13 +200,12 @@ def inference(
     compiles_before = engine.stats.compile_count
     compile_s_before = engine.stats.compile_seconds
 
-    compile_s_before_prefill = engine.stats.compile_seconds
     t0 = time.perf_counter()
     logits = engine.run(prompt, 0)
     t_first_token = time.perf_counter() - t0
     # a prefill bucket seen for the first time is compiled (or linked from the graph cache) inside run():
     # reported on its own so that the rate measures the computation
-    prefill_compile_s = engine.stats.compile_seconds - compile_s_before_prefill
+    prefill_compile_s = engine.stats.compile_seconds - compile_s_before
     t_prefill = t_first_token - prefill_compile_s
     compiles_after_prefill = engine.stats.compile_count
 

@@ -160,8 +160,9 @@ class Engine:
         fn = self._functions.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            cache_key = self._graph_cache_key(n_tokens, all_logits)
-            fn = graph_cache.load(cache_key, self._shared_by_name(), self.mode) if cache_key else None
+            shared = self._shared_by_name()
+            cache_key = self._graph_cache_key(n_tokens, all_logits, shared)
+            fn = graph_cache.load(cache_key, shared, self.mode) if cache_key else None
             if fn is not None:
                 self.stats.graph_cache_hits += 1
             else:
@@ -183,7 +184,7 @@ class Engine:
             shared[k.name], shared[v.name] = k, v
         return shared
 
-    def _graph_cache_key(self, n_tokens: int, all_logits: bool) -> str | None:
+    def _graph_cache_key(self, n_tokens: int, all_logits: bool, shared: dict | None = None) -> str | None:
         """The rewritten-graph cache key of a step function, or None when the cache is off or the module has
         been modified since import_generated."""
         if not graph_cache.enabled() or not is_as_imported(self.module):
@@ -195,7 +196,8 @@ class Engine:
             register_numba()
         spec = {"n_tokens": n_tokens, "all_logits": all_logits, "capacity": self.capacity, "static": self.static}
         source_sha256 = getattr(self.module, _SOURCE_SHA256)
-        return graph_cache.step_key(source_sha256, self.backend, self.mode, self._shared_by_name(), spec)
+        shared = self._shared_by_name() if shared is None else shared
+        return graph_cache.step_key(source_sha256, self.backend, self.mode, shared, spec)
 
     def taps_function(self, n_tokens: int):
         """A function returning every named intermediate (llama.cpp names) for a fresh sequence."""

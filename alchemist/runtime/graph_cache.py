@@ -112,7 +112,7 @@ def save(key: str, fn) -> Path | None:
     memo = clone_get_equiv(fgraph.inputs, fgraph.outputs, memo=memo)
     outputs = [memo[o] for o in fgraph.outputs]
     specs = []
-    for n, (spec, var) in enumerate(zip(maker.inputs, fgraph.inputs, strict=True)):
+    for spec, var in zip(maker.inputs, fgraph.inputs, strict=True):
         spec = copy.copy(spec)
         spec.variable = memo[var]
         spec.value = None

@@ -5,8 +5,9 @@ The pipeline follows `llama_vocab::impl::tokenize`:
    text first, are cut out of the text (control/unknown only when `parse_special`);
 2. each remaining text fragment goes through the model: SPM (optional space prefix, spaces to U+2581, the
    score-ordered merge loop with byte fallback) or byte-level BPE (pre-tokenizer regexes, byte encoding,
-   rank-ordered merges); both run in Hugging Face `tokenizers` (built from the GGUF metadata, nothing is
-   downloaded), with a Python port of llama.cpp's loops for the corners a merge table cannot express;
+   rank-ordered merges). Prompts run through a Python port of llama.cpp's loops; after
+   FAST_PATH_AFTER_CHARS characters a Hugging Face `tokenizers` merge table (built from the GGUF metadata,
+   nothing is downloaded) takes over, except for the corners a merge table cannot express;
 3. BOS/EOS as the vocabulary's add_bos/add_eos say.
 
 Decoding is `token_to_piece` per token (bytes), joined and UTF-8 decoded, plus `llama_detokenize`'s
