@@ -380,3 +380,33 @@ def test_gemma3_62_layers_with_more_heads_than_width(tmp_path):
     p.write_bytes(malformed.replace_kv(L, "attention.head_count", malformed.U32, 64))
     with pytest.raises(AlchemistError):
         build_model_ir(read_gguf(p))
+
+
+def test_string_arrays_decode_in_batches_exactly_as_one_by_one(monkeypatch):
+    """StringArray's batched decode (one decode call per batch) gives what decoding each string gives, for
+    empty, multibyte, NUL and replacement-character strings, batches of every size and non-adjacent
+    strings; a string that is not UTF-8 is still named in the error."""
+    from alchemist.gguf_io import reader
+
+    strings = ["", "a", "", "", "héllo", "\x00", "日本語", "\ufffd", "🙂 x", "", "last"]
+    raw = [s.encode() for s in strings]
+    buf = bytearray(b"??")  # the strings sit at irregular offsets, with junk between them
+    starts = []
+    for i, b in enumerate(raw):
+        buf += b"\xff" * (i % 3)
+        starts.append(len(buf))
+        buf += b
+    starts_np, lengths_np = np.array(starts, np.int64), np.array([len(b) for b in raw], np.int64)
+    for batch in (1, 2, 3, len(strings), 1000):
+        monkeypatch.setattr(reader, "_DECODE_BATCH", batch)
+        assert StringArray("f.gguf", "k", memoryview(bytes(buf)), starts_np, lengths_np).to_list() == strings
+    monkeypatch.setattr(reader, "_DECODE_BATCH_BYTES", 3)  # batches over the byte budget: one by one
+    assert StringArray("f.gguf", "k", memoryview(bytes(buf)), starts_np, lengths_np).to_list() == strings
+    monkeypatch.setattr(reader, "_DECODE_BATCH_BYTES", 1 << 20)
+    assert reader._decode_joined(bytes(buf), starts_np[:0], lengths_np[:0]) == []
+    for bad in (b"\xff", b"\xc3", b"ok\xed\xb3\xbf"):  # 0xFF, a cut character, an encoded surrogate
+        data = bytes(buf) + bad
+        starts_bad, lengths_bad = np.append(starts_np, len(buf)), np.append(lengths_np, len(bad))
+        arr = StringArray("f.gguf", "k", memoryview(data), starts_bad, lengths_bad)
+        with pytest.raises(GGUFError, match=rf"k\[{len(strings)}\].*not valid UTF-8"):
+            arr.to_list()

@@ -22,6 +22,7 @@ import hashlib
 import math
 import mmap
 import os
+import re
 import stat
 import struct
 from array import array
@@ -88,6 +89,46 @@ def type_name(code: int) -> str:
     return _SCALAR_FORMATS[code][0]
 
 
+# StringArray decodes up to this many strings, of at most this many bytes together, with one decode call
+# (a loop over gemma's 262k tokens takes ~0.2 s, batches ~0.05 s); the index arrays take 16 bytes per byte
+_DECODE_BATCH = 1 << 16
+_DECODE_BATCH_BYTES = 1 << 20
+# a byte that is not UTF-8, as decoding with surrogateescape shows it (0xFF is the batches' separator)
+_ESCAPED_BYTE = re.compile("[\udc80-\udcfe]")
+
+
+def _decode_joined(buf, starts: np.ndarray, lengths: np.ndarray) -> list[str] | None:
+    """The strings buf[starts[i] : starts[i] + lengths[i]] with one decode and one split, or None when one
+    of them is not valid UTF-8.
+
+    Each string is preceded by the byte 0xFF, which never occurs in UTF-8: decoded with surrogateescape it
+    becomes the lone surrogate U+DCFF, which no valid string contains, and the text is split there."""
+    n = len(starts)
+    if n == 0:
+        return []
+    # joined = FF s0 FF s1 ...: byte t of the concatenated text, in string i, comes from starts[i] + t -
+    # before[i] and goes to t + i + 1. Both offsets are constant along a string, so each is a running sum
+    # of ones with a jump at every non-empty string's first byte.
+    before = np.cumsum(lengths) - lengths
+    total = int(before[-1] + lengths[-1])
+    nonempty = lengths > 0
+    first, source_start, length = before[nonempty], starts[nonempty], lengths[nonempty]
+    target_start = first + np.flatnonzero(nonempty) + 1
+    source = np.ones(total, dtype=np.int64)
+    target = np.ones(total, dtype=np.int64)
+    if total:
+        source[0], target[0] = source_start[0], target_start[0]
+        source[first[1:]] = source_start[1:] - (source_start[:-1] + length[:-1] - 1)
+        target[first[1:]] = target_start[1:] - (target_start[:-1] + length[:-1] - 1)
+    joined = np.full(total + n, 0xFF, dtype=np.uint8)
+    joined[np.cumsum(target)] = np.frombuffer(buf, dtype=np.uint8)[np.cumsum(source)]
+    text = str(joined.tobytes(), "utf-8", "surrogateescape")
+    parts = text.split("\udcff")
+    if len(parts) != n + 1 or _ESCAPED_BYTE.search(text) is not None:
+        return None
+    return parts[1:]
+
+
 class StringArray:
     """A GGUF array of strings, decoded on first access (a vocabulary is 100k-300k strings).
 
@@ -107,15 +148,25 @@ class StringArray:
 
     def _decode_all(self) -> list[str]:
         if self._decoded is None:
-            buf = self._buf
-            out = []
-            for i, (s, n) in enumerate(zip(self._starts.tolist(), self._lengths.tolist())):
-                try:
-                    out.append(str(buf[s : s + n], "utf-8"))
-                except UnicodeDecodeError:
-                    raise GGUFError(self._path, f"{self._key}[{i}]", "string is not valid UTF-8", s) from None
+            out: list[str] = []
+            for lo in range(0, len(self._starts), _DECODE_BATCH):
+                hi = min(lo + _DECODE_BATCH, len(self._starts))
+                starts, lengths = self._starts[lo:hi], self._lengths[lo:hi]
+                batch = _decode_joined(self._buf, starts, lengths) if lengths.sum() <= _DECODE_BATCH_BYTES else None
+                out += batch if batch is not None else self._decode_each(lo, hi)
             self._decoded = out
         return self._decoded
+
+    def _decode_each(self, lo: int, hi: int) -> list[str]:
+        """Strings lo..hi-1 one by one; the first that is not UTF-8 is named in the error."""
+        buf = self._buf
+        out = []
+        for i, s, n in zip(range(lo, hi), self._starts[lo:hi].tolist(), self._lengths[lo:hi].tolist()):
+            try:
+                out.append(str(buf[s : s + n], "utf-8"))
+            except UnicodeDecodeError:
+                raise GGUFError(self._path, f"{self._key}[{i}]", "string is not valid UTF-8", s) from None
+        return out
 
     def to_list(self) -> list[str]:
         return list(self._decode_all())
@@ -280,9 +331,20 @@ def _read_scalar_array(cur: _Cursor, key: str, item_type: int, count: int, count
 def _read_string_array(cur: _Cursor, key: str, count: int, count_at: int, facts_path: str) -> "StringArray":
     if count * 8 > cur.size - cur.pos:
         cur.fail(key, f"array of {count} strings does not fit in the file", count_at)
+    buf, pos, size, region_start = cur.buf, cur.pos, cur.size, cur.pos
+    ends = _string_ends(buf, pos, size, count)
+    if ends is not None:
+        starts_np = np.empty(count, dtype=np.int64)
+        if count:
+            starts_np[0] = pos + 8
+            starts_np[1:] = ends[:-1] + 8
+            cur.pos = int(ends[-1])
+        lengths_np = ends - starts_np
+        _check_utf8(cur, key, region_start, cur.pos, starts_np, lengths_np)
+        return StringArray(facts_path, key, buf, starts_np, lengths_np)
+    # A string runs past the end of the file: find which, one by one, to say so.
     # Grown as strings are found (each takes >= 8 real bytes), never preallocated from the claimed count.
     starts, lengths = array("q"), array("q")
-    buf, pos, size, region_start = cur.buf, cur.pos, cur.size, cur.pos
     unpack = struct.Struct("<Q").unpack_from
     for i in range(count):
         if pos + 8 > size:
@@ -299,6 +361,23 @@ def _read_string_array(cur: _Cursor, key: str, count: int, count_at: int, facts_
     lengths_np = np.frombuffer(lengths, dtype=np.int64) if count else np.zeros(0, np.int64)
     _check_utf8(cur, key, region_start, pos, starts_np, lengths_np)
     return StringArray(facts_path, key, buf, starts_np, lengths_np)
+
+
+def _string_ends(buf, pos: int, size: int, count: int) -> np.ndarray | None:
+    """The end offset of each of `count` length-prefixed strings from `pos` (the tightest Python loop: 0.06 s
+    for a 262k-token vocabulary), or None when one does not fit in the file (the caller then says which)."""
+    unpack = struct.Struct("<Q").unpack_from
+    ends = array("q")
+    append = ends.append
+    try:
+        for _ in range(count):
+            pos += unpack(buf, pos)[0] + 8
+            append(pos)
+    except (struct.error, OverflowError):  # a length prefix past the end, or an end past 2**63
+        return None
+    if pos > size:  # ends only grow, so this covers every string
+        return None
+    return np.frombuffer(ends, dtype=np.int64) if count else np.zeros(0, np.int64)
 
 
 def _check_utf8(cur: _Cursor, key: str, region_start: int, region_end: int, starts: np.ndarray, lengths: np.ndarray):
