@@ -88,8 +88,6 @@ def load_llm(
     compile_now: bool = True,
 ) -> LoadedModel:
     """Generate (or reuse) the PyTensor module for a GGUF file, load its weights and compile decoding."""
-    from tqdm.auto import tqdm
-
     from alchemist.runtime.engine import Engine, import_generated
 
     require_backend(backend)
@@ -101,10 +99,14 @@ def load_llm(
     module = import_generated(module_path)
     total = sum(t.nbytes for t in ir.tensors)
     t_w = time.perf_counter()
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress, leave=False) as bar:
-        weights = module.load_weights(
-            path, progress=lambda name, nbytes: bar.update(nbytes), quantized=uses_quantized_kernels(backend)
-        )
+    quantized = uses_quantized_kernels(backend)
+    if progress:
+        from tqdm.auto import tqdm  # imported only to show the bar (tqdm.auto takes ~0.1 s to import)
+
+        with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", leave=False) as bar:
+            weights = module.load_weights(path, progress=lambda name, nbytes: bar.update(nbytes), quantized=quantized)
+    else:
+        weights = module.load_weights(path, quantized=quantized)
     weights_seconds = time.perf_counter() - t_w
     capacity = max(1, min(int(context), ir.n_ctx_train))
     engine = Engine(module, weights, backend, capacity)
