@@ -7,6 +7,7 @@ damaged entry must fall back to compiling with a warning, never stop a model fro
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,27 +75,77 @@ def test_cached_graph_computes_what_a_compiled_one_does(q8_module, graph_dir, ba
     assert np.abs(k_cached[: len(PROMPT) + len(DECODE) - 1]).max() > 0
 
 
-def test_a_new_process_links_the_cached_graph(tiny_module, graph_dir, tmp_path):
-    mod, path = tiny_module("qwen2")
-    expected = _generate(Engine(mod, mod.load_weights(str(path)), "c", 32))
-    out = tmp_path / "child.npy"
+def _generate_in_a_new_process(module_file: str, gguf_path, graph_dir, out) -> dict:
+    """_generate on the C backend in a fresh Python process; returns what the child saw of the caches."""
     script = textwrap.dedent(f"""
+        import json
         import numpy as np
         from pathlib import Path
-        from alchemist.runtime import graph_cache
+        from alchemist.runtime import fast_link, graph_cache
         graph_cache.cache_dir = lambda: Path({str(graph_dir)!r})
         from alchemist.runtime.engine import Engine, import_generated
-        mod = import_generated({mod.__file__!r})
-        engine = Engine(mod, mod.load_weights({str(path)!r}), "c", 32)
+        import pytensor.link.c.cmodule as cmodule
+        mod = import_generated({module_file!r})
+        engine = Engine(mod, mod.load_weights({str(gguf_path)!r}), "c", 32)
         rows = [engine.run({PROMPT!r}, 0, all_logits=True)]
         rows += [engine.run([t], {len(PROMPT)} + i) for i, t in enumerate({DECODE!r})]
-        assert engine.stats.graph_cache_hits == 2, engine.stats
         np.save({str(out)!r}, np.concatenate(rows))
+        seen = {{"hits": engine.stats.graph_cache_hits, "preferred": fast_link.stats["preferred"],
+                 "compiledir_index_opened": cmodule._module_cache is not None}}
+        print(json.dumps(seen))
         """)
     env = {k: v for k, v in os.environ.items() if k != "ALCHEMIST_GRAPH_CACHE"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_new_process_links_the_cached_graph(tiny_module, graph_dir, tmp_path):
+    mod, path = tiny_module("qwen2")
+    expected = _generate(Engine(mod, mod.load_weights(str(path)), "c", 32))
+    out = tmp_path / "child.npy"
+    seen = _generate_in_a_new_process(mod.__file__, path, graph_dir, out)
     np.testing.assert_array_equal(np.load(out), expected)
+    assert seen["hits"] == 2
+    # every node's compiled module came from the entry's record: PyTensor's compiledir index (unpickling
+    # every key.pkl in it, ~0.5 s) was never opened, and no node tried C code it does not have
+    assert seen["preferred"] > 0 and not seen["compiledir_index_opened"], seen
+
+
+def test_a_stale_module_record_is_looked_up_and_rewritten(tiny_module, graph_dir, tmp_path):
+    """The record of which compiled module linked each node is only a hint: rows naming a file that changed,
+    vanished or lies outside the compiledir are looked up the usual way, and the record is rewritten."""
+    mod, path = tiny_module("qwen2")
+    expected = _generate(Engine(mod, mod.load_weights(str(path)), "c", 32))
+    records = sorted(graph_dir.glob("*.modules.json"))
+    assert len(records) == 2
+    good = {r: json.loads(r.read_text()) for r in records}
+    for record, data in good.items():
+        rows = [list(row) for row in data["modules"]]
+        rows[0][3] += 1  # another mtime: the compiledir entry was rebuilt
+        rows[1][1] = "../../" + rows[1][1].split("/")[-1]  # escapes the compiledir
+        rows[2][1] = "tmpgone/m0.so"  # vanished
+        record.write_text(json.dumps({**data, "modules": rows}))
+    out = tmp_path / "child.npy"
+    seen = _generate_in_a_new_process(mod.__file__, path, graph_dir, out)
+    np.testing.assert_array_equal(np.load(out), expected)
+    assert seen["hits"] == 2 and seen["compiledir_index_opened"], seen
+    for record, data in good.items():
+        assert json.loads(record.read_text()) == data  # rewritten from what linked
+    seen = _generate_in_a_new_process(mod.__file__, path, graph_dir, out)
+    np.testing.assert_array_equal(np.load(out), expected)
+    assert not seen["compiledir_index_opened"], seen
+
+
+def test_c_step_functions_run_every_node_in_c(q8_module, graph_dir):
+    """No node of a C-backend step falls back to Python (the KV-cache write used to: an advanced-indexing
+    write has no C code, and trying it opened PyTensor's compiledir index in every process)."""
+    mod, path = q8_module
+    engine = Engine(mod, mod.load_weights(str(path), quantized=True), "c", 32)
+    for n_tokens in (1, 8):
+        fn = engine.step_function(n_tokens)
+        python = [str(node) for node, thunk in zip(fn.vm.nodes, fn.vm.thunks) if not hasattr(thunk, "cthunk")]
+        assert not python, python[:5]
 
 
 def test_anything_that_changes_the_graph_misses(tiny_module, graph_dir):

@@ -150,10 +150,45 @@ class Engine:
             output_rows=rows,
             taps=taps,
         )
+        if not self.static:
+            logits, new_cache = self._cache_writes_as_slices(logits, new_cache, start_pos, n_tokens)
         updates = []
         for (k, v), (k_new, v_new) in zip(self.cache, new_cache):
             updates += [(k, k_new), (v, v_new)]
         return [tokens, start_pos, n_valid], logits, updates
+
+    @staticmethod
+    def _cache_writes_as_slices(logits, new_cache, start_pos, n_tokens: int):
+        """Lower each cache write `set_subtensor(cache[start_pos + arange(T)], rows)` to the same write through
+        the slice cache[start_pos : start_pos + T].
+
+        The generated module writes the rows at their positions, which every backend can compile (JAX and
+        MLX need static slice bounds). On C that is an advanced-indexing write of a 3-d array, which has no
+        C code: it ran in Python, and trying C for it opened PyTensor's whole compiledir index in every
+        process (~0.5 s). The slice write is C code, in place. A write by any other index is left as it is.
+        """
+        from pytensor.graph.basic import equal_computations
+        from pytensor.graph.fg import FunctionGraph
+        from pytensor.tensor.subtensor import AdvancedIncSubtensor
+
+        positions = start_pos + pt.arange(n_tokens, dtype="int64")  # as forward() computes them
+        flat = [logits] + [value for pair in new_cache for value in pair]
+        # a graph over the step's own variables (not cloned: the weights and the cache stay the shared
+        # variables they are); in topological order, so each write's rows already read the lowered writes
+        # of the layers before
+        fgraph = FunctionGraph(outputs=flat, clone=False)
+        for node in fgraph.toposort():
+            if (
+                isinstance(node.op, AdvancedIncSubtensor)
+                and node.op.set_instead_of_inc
+                and len(node.inputs) == 3
+                and equal_computations([node.inputs[2]], [positions])
+            ):
+                cache, rows = node.inputs[:2]
+                lowered = pt.set_subtensor(cache[start_pos : start_pos + n_tokens], rows)
+                fgraph.replace(node.outputs[0], lowered, reason="cache_write_as_slice", import_missing=True)
+        logits, *flat = fgraph.outputs
+        return logits, [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
     def step_function(self, n_tokens: int, all_logits: bool = False):
         key = (n_tokens, all_logits)

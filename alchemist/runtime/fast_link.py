@@ -12,21 +12,78 @@ pattern, each output's type and no-recycling flag, and the C config hash. Two wr
 
 - `COp.make_c_thunk`, for a node whose inputs are distinct non-constant variables (1092 of gemma's
   1258): a seen signature instantiates the module directly on the node's storage, skipping the
-  per-node FunctionGraph clone and CLinker set-up too (the C VM calls the instantiated struct; the
-  thunk's task lists, used only to name a failing task, come from the first node of that signature);
+  per-node FunctionGraph clone and CLinker set-up too (the C VM calls the instantiated struct; a
+  failure in it is reported as this node's);
 - `CLinker.cthunk_factory`, for any other single-node linker: a seen signature skips the key.
+
+The first node of each signature still needs its module. PyTensor finds it through the compiledir index,
+whose first use in a process unpickles every entry's key (~0.5 s, growing with every graph ever compiled).
+`preferred_modules({node: path})` names the module file each node was linked with last time (the graph
+cache records it): such a node imports that file directly and never opens the index.
 
 Anything else takes PyTensor's own path. Set ALCHEMIST_FAST_LINK=0 to turn it off.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
+import sys
+import warnings
+from contextlib import contextmanager
 
 _enabled = False
 _modules: dict = {}
 _thunks: dict = {}
-stats = {"reused": 0, "keyed": 0, "instantiated": 0}
+_preferred: dict = {}  # id(node) -> the module file it was linked with last time (while linking a cached graph)
+_current_preferred: list = [None]  # that file for the node COp.make_c_thunk is handing to a CLinker
+_imported: dict = {}
+stats = {"reused": 0, "keyed": 0, "instantiated": 0, "preferred": 0}
+
+
+@contextmanager
+def preferred_modules(modules: dict):
+    """While linking: each node in `modules` (node -> absolute path of a compiled module) is linked with that
+    module when its signature has not been seen yet, instead of looking it up in the compiledir index."""
+    _preferred.update({id(node): path for node, path in modules.items()})
+    try:
+        yield
+    finally:
+        _preferred.clear()
+
+
+def _import_module(path: str):
+    """Import a compiled module file under the name PyTensor's `dlimport` gives it (so a later dlimport of the
+    same file finds it in sys.modules), without putting its directory on sys.path or rescanning the
+    compiledir (`dlimport` invalidates the import caches each time, ~1 ms per module)."""
+    module = _imported.get(path)
+    if module is None:
+        directory, filename = os.path.split(path)
+        name = f"{os.path.basename(directory)}.{filename.split('.', 1)[0]}"
+        module = sys.modules.get(name)
+        if module is None:
+            loader = importlib.machinery.ExtensionFileLoader(name, path)
+            spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+            module = importlib.util.module_from_spec(spec)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="numpy.ndarray size changed")
+                loader.exec_module(module)
+            sys.modules[name] = module
+        _imported[path] = module
+    return module
+
+
+def _preferred_module(path: str | None):
+    """The module at `path` (None when there is none or it will not import: PyTensor's own path then)."""
+    if path is None:
+        return None
+    try:
+        module = _import_module(path)
+    except Exception:  # noqa: BLE001 - a removed or damaged compiledir entry: look it up the usual way
+        return None
+    stats["preferred"] += 1
+    return module
 
 
 def _node_signature(node, no_recycling):
@@ -93,6 +150,10 @@ def enable() -> None:
         except Exception:  # noqa: BLE001 - an unusual node: PyTensor's own path handles it
             sig = None
         module = _modules.get(sig) if sig is not None else None
+        if module is None and sig is not None:
+            module = _preferred_module(_current_preferred[0])
+            if module is not None:
+                _modules[sig] = module
         if module is None:
             thunk, module = original(self, error_storage, in_storage, out_storage, storage_map, cache)
             if sig is not None:
@@ -122,6 +183,13 @@ def _wrap_make_c_thunk() -> None:
     from pytensor.link.c.basic import _CThunk
     from pytensor.link.c.op import COp
 
+    class _NodeThunk(_CThunk):
+        """A one-node C thunk: whatever part of the struct fails (extracting an input, the op's code), the
+        failing task is this node (PyTensor would build the node's CLinker task lists just to say so)."""
+
+        def find_task(self, failure_code):
+            return self.nodes[0], "code", failure_code
+
     original = COp.make_c_thunk
 
     def make_c_thunk(self, node, storage_map, compute_map, no_recycling):
@@ -129,13 +197,20 @@ def _wrap_make_c_thunk() -> None:
             sig, params_storage = _node_signature(node, no_recycling) or (None, None)
         except Exception:  # noqa: BLE001 - an unusual node: PyTensor's own path handles it
             sig = None
-        known = _thunks.get(sig) if sig is not None else None
-        if known is None:
-            rval = original(self, node, storage_map, compute_map, no_recycling)
+        module = _thunks.get(sig) if sig is not None else None
+        if module is None and sig is not None:
+            module = _preferred_module(_preferred.get(id(node)))
+            if module is not None:
+                _thunks[sig] = module
+        if module is None:
+            _current_preferred[0] = _preferred.get(id(node))
+            try:
+                rval = original(self, node, storage_map, compute_map, no_recycling)
+            finally:
+                _current_preferred[0] = None
             if sig is not None:
-                _thunks[sig] = (rval.thunk.module, rval.thunk.init_tasks, rval.thunk.tasks)
+                _thunks[sig] = rval.thunk.module
             return rval
-        module, init_tasks, tasks = known
         stats["instantiated"] += 1
         # what CLinker.__compile__ + cthunk_factory do for one node with distinct, non-constant inputs
         # (no duplicate storages; the only orphan is the params constant): instantiate the module on the
@@ -145,7 +220,7 @@ def _wrap_make_c_thunk() -> None:
         node.op.prepare_node(node, storage_map, None, "c")
         error_storage = [None, None, None]
         cthunk = module.instantiate(error_storage, *(node_input_storage + node_output_storage + params_storage))
-        thunk = _CThunk(cthunk, init_tasks, tasks, error_storage, module)
+        thunk = _NodeThunk(cthunk, [], [], error_storage, module)
         thunk.nodes = [node]
         if compute_map is None:
             rval = thunk

@@ -21,14 +21,16 @@ import hashlib
 import json
 import os
 import pickle
+import stat
 import sys
 import warnings
 from functools import lru_cache
 from pathlib import Path
 
 from alchemist.paths import cache_subdir, remember
+from alchemist.runtime import fast_link
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # A rewritten graph is a few MB; a file much larger than this would mean data leaked into it (a weight
 # folded into a constant), which must not be written to disk.
 MAX_ENTRY_BYTES = 256 * 1024 * 1024
@@ -94,6 +96,80 @@ def _path(key: str) -> Path:
     return cache_dir() / f"{key}.pkl"
 
 
+def _modules_path(key: str) -> Path:
+    return cache_dir() / f"{key}.modules.json"
+
+
+def _record_modules(key: str, fn, nodes: list) -> None:
+    """Remember which compiled module linked each node of `fn` (`nodes`: the entry's node list, in `fn`'s
+    order or cloned), so the next process imports it directly: [node index, module file relative to the
+    compiledir, its size, its mtime_ns]."""
+    from pytensor import config
+
+    root = os.path.realpath(config.compiledir)
+    position = {id(node): i for i, node in enumerate(nodes)}
+    row_of: dict = {}  # module file -> [relative path, size, mtime_ns], or None outside the compiledir
+    found = []
+    for node, thunk in zip(getattr(fn.vm, "nodes", ()), getattr(fn.vm, "thunks", ()), strict=True):
+        file = getattr(getattr(getattr(thunk, "thunk", None), "module", None), "__file__", None)
+        index = position.get(id(node))
+        if file is None or index is None:
+            continue
+        if file not in row_of:
+            real = os.path.realpath(file)
+            st = os.stat(real)
+            inside = os.path.dirname(os.path.dirname(real)) == root  # not PyTensor's own helper modules
+            row_of[file] = (
+                ["/".join(os.path.relpath(real, root).split(os.sep)), st.st_size, st.st_mtime_ns] if inside else None
+            )
+        if row_of[file] is not None:
+            found.append([index, *row_of[file]])
+    if found:
+        remember(_modules_path(key), json.dumps({"format": FORMAT_VERSION, "modules": found}))
+
+
+def _preferred_modules(key: str, nodes: list) -> tuple[dict, int]:
+    """({node: module file} recorded for this entry that still exist unchanged, number recorded).
+
+    The record is a hint: a path outside the compiledir, a missing file or one whose size or mtime differs
+    (the compiledir was cleaned and rebuilt) is skipped, and PyTensor looks that node's module up itself."""
+    from pytensor import config
+
+    try:
+        record = json.loads(_modules_path(key).read_text())
+        rows = record["modules"] if record.get("format") == FORMAT_VERSION else []
+    except (OSError, ValueError, TypeError, KeyError):
+        return {}, 0
+    root = os.path.realpath(config.compiledir)
+    file_of: dict = {}  # (entry directory/module file, size, mtime_ns) -> its path, or None if it changed
+    preferred = {}
+    for row in rows:
+        try:
+            index, rel, size, mtime_ns = row
+            if (rel, size, mtime_ns) not in file_of:
+                file_of[rel, size, mtime_ns] = _compiledir_file(root, rel, size, mtime_ns)
+            file = file_of[rel, size, mtime_ns]
+            if file is not None and 0 <= index < len(nodes):
+                preferred[nodes[index]] = file
+        except (ValueError, TypeError):
+            continue
+    return preferred, len(rows)
+
+
+def _compiledir_file(root: str, rel: str, size: int, mtime_ns: int) -> str | None:
+    """root/rel when rel names a module file inside a compiledir entry ("tmpXXXX/mHASH.so") and that file
+    is still the one recorded (same size and mtime), else None."""
+    parts = rel.split("/")
+    if len(parts) != 2 or any(part in ("", ".", "..") or os.sep in part for part in parts):
+        return None
+    file = os.path.join(root, *parts)
+    try:
+        st = os.lstat(file)
+    except OSError:
+        return None
+    return file if stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns) == (size, mtime_ns) else None
+
+
 def save(key: str, fn) -> Path | None:
     """Store `fn`'s rewritten graph under `key`, with its shared variables replaced by placeholders."""
     from pytensor.graph.basic import clone_get_equiv
@@ -121,7 +197,9 @@ def save(key: str, fn) -> Path | None:
     for out_idx, in_idx in fgraph.update_mapping.items():
         specs[in_idx].update = outputs[out_idx]
     borrow = [o.borrow for o in maker.outputs] + [False] * (len(outputs) - len(maker.outputs))
+    linked_nodes = getattr(fn.vm, "nodes", None) or []
     entry = {
+        "nodes": [memo[node] for node in linked_nodes],
         "inputs": [memo[i] for i in fgraph.inputs],
         "outputs": outputs,
         "specs": specs,
@@ -142,7 +220,10 @@ def save(key: str, fn) -> Path | None:
     except OSError as exc:  # the cache directory cannot be created: compile every time, say so
         warnings.warn(f"graph cache: cannot use {exc.filename} ({exc.strerror}); not cached", stacklevel=2)
         return None
-    return target if remember(target, data) else None
+    if not remember(target, data):
+        return None
+    _record_modules(key, fn, linked_nodes)  # the entry's nodes are these, cloned, in the same order
+    return target
 
 
 def load(key: str, shared: dict, mode):
@@ -183,7 +264,13 @@ def load(key: str, shared: dict, mode):
         )
         maker.unpack_single = entry["unpack_single"]
         maker.return_none = entry["return_none"]
-        return maker.create([spec.value for spec in specs])
+        nodes = entry["nodes"]
+        preferred, recorded = _preferred_modules(key, nodes)
+        with fast_link.preferred_modules(preferred):
+            fn = maker.create([spec.value for spec in specs])
+        if len(preferred) != recorded or not recorded:
+            _record_modules(key, fn, nodes)  # first load, or the compiledir changed: record what linked now
+        return fn
     except Exception as exc:  # a stale or damaged entry must never stop a model from loading
         warnings.warn(f"graph cache: {path} unusable ({type(exc).__name__}: {exc}); recompiling", stacklevel=2)
         return None
