@@ -7,6 +7,11 @@ replaced by a plain variable of the same type, so the file holds the graph and n
 MB). Loading it builds the FunctionMaker the way `Function.copy` does (`no_fgraph_prep=True`: no rewrites,
 the DeepCopy ops are already in the graph) and points each input at this process's shared container.
 
+Beside each entry, `<key>.modules.json` records which compiled module (a file in PyTensor's compiledir, with
+its size and mtime) linked each node; `alchemist.runtime.fast_link` imports those files directly, so a new
+process never opens PyTensor's compiledir index. The record is only a hint: a row whose file changed is
+looked up the usual way and the record rewritten.
+
 The key hashes everything the rewritten graph depends on: the generated module's source, alchemist's own
 source files (the kernel Ops and their rewrites), the backend, the step shape, every weight's name, shape
 and dtype, and the PyTensor/NumPy versions and flags. Entries are pickles written by this tool into the
@@ -117,10 +122,15 @@ def _record_modules(key: str, fn, nodes: list) -> None:
             continue
         if file not in row_of:
             real = os.path.realpath(file)
-            st = os.stat(real)
+            try:
+                st = os.stat(real)
+            except OSError:  # removed meanwhile: that node is looked up the usual way next time
+                st = None
             inside = os.path.dirname(os.path.dirname(real)) == root  # not PyTensor's own helper modules
             row_of[file] = (
-                ["/".join(os.path.relpath(real, root).split(os.sep)), st.st_size, st.st_mtime_ns] if inside else None
+                ["/".join(os.path.relpath(real, root).split(os.sep)), st.st_size, st.st_mtime_ns]
+                if inside and st is not None
+                else None
             )
         if row_of[file] is not None:
             found.append([index, *row_of[file]])
