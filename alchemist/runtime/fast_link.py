@@ -197,13 +197,14 @@ def _wrap_make_c_thunk() -> None:
             sig, params_storage = _node_signature(node, no_recycling) or (None, None)
         except Exception:  # noqa: BLE001 - an unusual node: PyTensor's own path handles it
             sig = None
+        preferred = _preferred.get(id(node))
         module = _thunks.get(sig) if sig is not None else None
         if module is None and sig is not None:
-            module = _preferred_module(_preferred.get(id(node)))
+            module = _preferred_module(preferred)
             if module is not None:
                 _thunks[sig] = module
         if module is None:
-            _current_preferred[0] = _preferred.get(id(node))
+            _current_preferred[0] = preferred
             try:
                 rval = original(self, node, storage_map, compute_map, no_recycling)
             finally:
