@@ -515,25 +515,10 @@ def check_safety(ctx: Context) -> CheckResult:
 # config
 # ---------------------------------------------------------------------------------------------------
 def _ir_constants(ir) -> dict:
-    first = ir.layers[0]
-    att, mlp = first.attention, first.mlp
-    return {
-        "ARCHITECTURE": ir.architecture,
-        "N_VOCAB": ir.n_vocab,
-        "N_EMBD": ir.n_embd,
-        "N_LAYER": ir.n_layer,
-        "N_FF": mlp.n_ff,
-        "CONTEXT_LENGTH": ir.n_ctx_train,
-        "RMS_EPS": ir.rms_eps,
-        "ROPE_DIM": att.rope_dim,
-        "SCORE_SCALE": att.score_scale,
-        "SLIDING_WINDOW": tuple(lay.attention.sliding_window for lay in ir.layers),
-        "ROPE_BASE": tuple(lay.attention.rope_base for lay in ir.layers),
-        "ROPE_FREQ_SCALE": tuple(lay.attention.rope_freq_scale for lay in ir.layers),
-        "DATA_OFFSET": ir.data_offset,
-        "EMBED_SCALE": ir.embedding_scale if ir.embedding_scale != 1.0 else None,
-        "FINAL_LOGIT_SOFTCAP": ir.final_logit_softcap or None,
-    }
+    from alchemist.codegen.render import module_constants
+
+    constants = module_constants(ir)
+    return {**constants, "EMBED_SCALE": constants.get("EMBED_SCALE"), "FINAL_LOGIT_SOFTCAP": constants.get("FINAL_LOGIT_SOFTCAP")}
 
 
 def _names_in(node) -> set[str]:

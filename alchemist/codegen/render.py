@@ -61,6 +61,37 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+def module_constants(ir: ModelIR) -> dict:
+    """The configuration constants a generated module defines, name -> value, each exactly as the IR says.
+
+    The template renders them and the auditor compares a module's literals against them: one mapping."""
+    first = ir.layers[0]
+    att, mlp = first.attention, first.mlp
+    constants = {
+        "ARCHITECTURE": ir.architecture,
+        "N_VOCAB": ir.n_vocab,
+        "N_EMBD": ir.n_embd,
+        "N_LAYER": ir.n_layer,
+        "N_HEAD": att.n_head,
+        "N_KV_HEAD": att.n_kv_head,
+        "HEAD_DIM": att.head_dim,
+        "N_FF": mlp.n_ff,
+        "CONTEXT_LENGTH": ir.n_ctx_train,
+        "RMS_EPS": ir.rms_eps,
+        "ROPE_DIM": att.rope_dim,
+        "SCORE_SCALE": att.score_scale,
+        "SLIDING_WINDOW": tuple(lay.attention.sliding_window for lay in ir.layers),
+        "ROPE_BASE": tuple(lay.attention.rope_base for lay in ir.layers),
+        "ROPE_FREQ_SCALE": tuple(lay.attention.rope_freq_scale for lay in ir.layers),
+        "DATA_OFFSET": ir.data_offset,
+    }
+    if ir.embedding_scale != 1.0:
+        constants["EMBED_SCALE"] = ir.embedding_scale
+    if ir.final_logit_softcap:
+        constants["FINAL_LOGIT_SOFTCAP"] = ir.final_logit_softcap
+    return constants
+
+
 def template_context(ir: ModelIR) -> dict:
     if not IDENTIFIER.match(ir.architecture):
         raise UnsupportedModelError(f"architecture name {ir.architecture!r} is not a valid identifier")
