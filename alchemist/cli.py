@@ -19,26 +19,54 @@ def _cmd_inspect(args) -> int:
     if args.ir:
         print(ir.to_json())
         return 0
-    att, mlp = ir.layers[0].attention, ir.layers[0].mlp
     types: dict[str, int] = {}
     for t in ir.tensors:
         types[t.ggml_type] = types.get(t.ggml_type, 0) + 1
-    windows = sorted({lay.attention.sliding_window for lay in ir.layers})
     lines = [
         f"file          {facts.file_name}  ({facts.file_size / 1e6:.1f} MB, GGUF v{facts.version})",
         f"model         {ir.model_name!r}",
         f"architecture  {ir.architecture}",
-        f"layers        {ir.n_layer}   d_model {ir.n_embd}   ffn {mlp.n_ff} ({mlp.activation.value}, gated)",
-        f"attention     {att.n_head} query heads, {att.n_kv_head} KV heads, head size {att.head_dim}, "
-        f"scale {att.score_scale:.6g}{', q/k norm' if att.q_norm else ''}{', qkv bias' if att.qkv_bias else ''}",
-        f"rope          {ir.rope_style.value}, dims {att.rope_dim}, bases {sorted({lay.attention.rope_base for lay in ir.layers})}",
-        f"windows       {windows} (0 = global)",
-        f"vocabulary    {ir.n_vocab}   context {ir.n_ctx_train}   output {'tied to token_embd' if ir.tied_output else 'output.weight'}",
+        *describe_components(ir),
         f"tensors       {len(ir.tensors)}: " + ", ".join(f"{k}×{v}" for k, v in sorted(types.items())),
         f"ir sha256     {ir.ir_hash()}",
     ]
     print("\n".join(lines))
     return 0
+
+
+def describe_components(ir) -> list[str]:
+    """One line per component kind of the IR (what `alchemist inspect` prints)."""
+    lay = ir.layers[0]
+    att, mlp, rope = lay.attention, lay.mlp, lay.attention.rope
+
+    def norm(spec) -> str:
+        return "none" if spec is None else f"{spec.kind.value}{'+bias' if spec.bias else ''}"
+
+    extras = [
+        "fused qkv" if att.qkv else "",
+        "qkv bias" if (att.q_bias or att.qkv_bias) else "",
+        "out bias" if att.out_bias else "",
+        f"q/k {norm(att.q_norm)} norm per {att.qk_norm_scope.value}" if att.q_norm else "",
+        f"softcap {att.logit_softcap:g}" if att.logit_softcap else "",
+    ]
+    rotating = [x.attention.rope.style.value != "none" for x in ir.layers]
+    windows = sorted({x.attention.sliding_window for x in ir.layers})
+    return [
+        f"layers        {ir.n_layer}   d_model {ir.n_embd}   {lay.wiring.value} block, norms: attn {norm(lay.attn_norm)}, "
+        f"ffn {norm(lay.ffn_norm)}, post {norm(lay.attn_post_norm)}/{norm(lay.ffn_post_norm)}"
+        + (f", residual x{lay.residual_scale:g}" if lay.residual_scale != 1.0 else ""),
+        f"attention     {att.n_head} query heads, {att.n_kv_head} KV heads, head size {att.head_dim}, "
+        f"scale {att.score_scale:.6g}" + "".join(f", {e}" for e in extras if e),
+        f"mlp           {mlp.kind.value}, {mlp.activation.value}, ffn {mlp.n_ff}" + (", biases" if mlp.up_bias else ""),
+        f"rope          {rope.style.value if all(rotating) else f'{sum(rotating)} of {ir.n_layer} layers'}, "
+        f"dims {rope.dim}, scaling {rope.scaling.value}, bases {sorted({x.attention.rope.base for x in ir.layers})}",
+        f"windows       {windows} (0 = global)",
+        f"embedding     scale {ir.embedding.scale:g}" + (", learned positions" if ir.embedding.positions else ""),
+        f"vocabulary    {ir.n_vocab}   context {ir.n_ctx_train}   output "
+        f"{'tied to token_embd' if ir.output.tied else ir.output.weight}"
+        + (f", logit scale {ir.output.logit_scale:g}" if ir.output.logit_scale != 1.0 else "")
+        + (f", softcap {ir.output.final_softcap:g}" if ir.output.final_softcap else ""),
+    ]
 
 
 def _cmd_gen(args) -> int:

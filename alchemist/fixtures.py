@@ -13,10 +13,12 @@ from pathlib import Path
 import numpy as np
 import gguf
 
+from alchemist.arch import FAMILIES as _FAMILIES
+from alchemist.arch.build import EPS_KEYS
+from alchemist.arch.table import Dims
 from alchemist.tokenizer.tokenizer import BYTE_TO_UNICODE
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
-
+FAMILIES = tuple(_FAMILIES)  # every family has a fixture: the tuple tests parametrize over
 
 @dataclass(frozen=True)
 class FixtureConfig:
@@ -29,12 +31,9 @@ class FixtureConfig:
     head_dim: int = 64
     n_ff: int = 512
     n_ctx: int = 512
-    rms_eps: float = 1e-6
+    norm_eps: float = 1e-6
     rope_base: float = 10000.0
-    sliding_window: int = 8  # gemma3 only: small, so short tests cross the window
-    swa_pattern: int = 2  # gemma3 only: layer 0 local, layer 1 global
-    tied_output: bool | None = None  # default: gemma3 and llama tied, qwen untied
-    final_logit_softcap: float = 0.0  # gemma3 only: <arch>.final_logit_softcapping when > 0
+    rope_dim: int | None = None  # default: the whole head
     seed: int = 0
 
 
@@ -75,15 +74,44 @@ def _bpe_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def _metadata_value(w: gguf.GGUFWriter, key: str, value) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, tuple):
+        w.add_array(key, list(value))
+    else:
+        raise TypeError(f"fixture metadata {key}: unsupported value {value!r}")
+
+
 def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config: FixtureConfig | None = None) -> Path:
-    """Write a random-weight GGUF for `arch` with 2-D weights stored as `weight_type` ("F32" or "F16")."""
+    """Write a random-weight GGUF for `arch` with 2-D weights stored as `weight_type` ("F32" or "F16").
+
+    The tensors are the family's table (its required tensors and the optional ones its FixtureSpec names),
+    with the shapes the table gives for this config's hyperparameters."""
     if arch not in FAMILIES:
         raise ValueError(f"unknown fixture architecture {arch!r} (choose from {', '.join(FAMILIES)})")
     if weight_type not in ("F32", "F16"):
         raise ValueError("write_fixture stores F32 or F16; use quantize_fixture for quantized types")
+    family = _FAMILIES[arch]
+    spec = family.fixture
     cfg = config or FixtureConfig(arch=arch)
     rng = np.random.default_rng(cfg.seed)
-    tied = cfg.tied_output if cfg.tied_output is not None else arch in ("gemma3", "llama")
+    dims = Dims(
+        n_vocab=cfg.n_vocab,
+        n_embd=cfg.n_embd,
+        n_head=cfg.n_head,
+        n_kv_head=cfg.n_kv_head,
+        head_dim=cfg.head_dim,
+        n_ff=cfg.n_ff,
+        rope_dim=cfg.rope_dim or cfg.head_dim,
+        n_ctx=cfg.n_ctx,
+    )
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"alchemist tiny {arch} fixture")
@@ -95,19 +123,56 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     w.add_head_count_kv(cfg.n_kv_head)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_float32(f"{arch}.{EPS_KEYS[family.norm]}", cfg.norm_eps)
     w.add_rope_freq_base(cfg.rope_base)
+    w.add_rope_dimension_count(dims.rope_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if weight_type == "F32" else gguf.LlamaFileType.MOSTLY_F16)
-    if arch == "gemma3":
-        w.add_sliding_window(cfg.sliding_window)
-        w.add_uint32(f"{arch}.attention.sliding_window_pattern", cfg.swa_pattern)
-        if cfg.final_logit_softcap:
-            w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcap)
-    if arch == "llama":
-        w.add_rope_dimension_count(cfg.head_dim)
+    for key, value in spec.metadata:
+        _metadata_value(w, f"{arch}.{key}", value)
+    _write_vocab(w, spec.vocab, cfg.n_vocab)
 
-    if arch in ("gemma3", "llama"):
-        tokens, scores, types = _spm_vocab(cfg.n_vocab)
+    wdtype = np.float32 if weight_type == "F32" else np.float16
+    embd = rng.standard_normal((cfg.n_vocab, cfg.n_embd)) * spec.embedding_std
+
+    def values(name: str, role: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name == "token_embd.weight":
+            return embd.astype(wdtype)
+        if name == "output.weight":
+            # Random output rows give flat logits whose top-2 gaps are as small as llama.cpp's activation-
+            # quantization noise. Like a tied model, start from the embedding (the residual stream carries
+            # it, so predictions are decisive) and perturb it, so the untied path is still its own tensor.
+            d = cfg.n_embd
+            return (embd / np.sqrt(d) * 4.0 + 0.5 * rng.standard_normal(shape) / np.sqrt(d)).astype(wdtype)
+        if role == "linear":
+            return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(wdtype)
+        if role == "position_embedding":
+            return (0.1 * rng.standard_normal(shape)).astype(wdtype)
+        if role == "norm":
+            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        if role == "bias":
+            return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        if role == "rope_factors":
+            return rng.uniform(1.0, 4.0, shape).astype(np.float32)
+        raise ValueError(f"{arch} fixture: no values for role {role!r} ({name})")
+
+    wanted = [t for t in family.tensors if t.required or t.name in spec.optional]
+    for t in (t for t in wanted if not t.per_layer):
+        w.add_tensor(t.name, values(t.name, t.role, dims.resolve(t.shape)))
+    for il in range(cfg.n_layer):
+        for t in (t for t in wanted if t.per_layer):
+            name = t.name.format(il=il)
+            w.add_tensor(name, values(name, t.role, dims.resolve(t.shape)))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _write_vocab(w: gguf.GGUFWriter, kind: str, n_vocab: int) -> None:
+    if kind == "spm":
+        tokens, scores, types = _spm_vocab(n_vocab)
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
@@ -118,8 +183,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         w.add_unk_token_id(0)
         w.add_add_bos_token(True)
         w.add_add_eos_token(False)
-    else:
-        tokens, types, merges = _bpe_vocab(cfg.n_vocab)
+    elif kind == "bpe":
+        tokens, types, merges = _bpe_vocab(n_vocab)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("qwen2")
         w.add_token_list(tokens)
@@ -128,53 +193,5 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         w.add_bos_token_id(len(tokens) - 3)
         w.add_eos_token_id(len(tokens) - 1)
         w.add_add_bos_token(False)
-
-    wdtype = np.float32 if weight_type == "F32" else np.float16
-    d, f, hd = cfg.n_embd, cfg.n_ff, cfg.head_dim
-    nq, nkv = cfg.n_head * hd, cfg.n_kv_head * hd
-
-    def mat(n_out: int, n_in: int) -> np.ndarray:
-        return (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(wdtype)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    def bias(n: int) -> np.ndarray:
-        return (0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    embd = rng.standard_normal((cfg.n_vocab, d)) * (0.05 if arch == "gemma3" else 1.0)
-    w.add_tensor("token_embd.weight", embd.astype(wdtype))
-    w.add_tensor("output_norm.weight", norm(d))
-    if not tied:
-        # Random output rows give flat logits whose top-2 gaps are as small as llama.cpp's activation-
-        # quantization noise. Like a tied model, start from the embedding (the residual stream carries
-        # it, so predictions are decisive) and perturb it, so the untied path is still its own tensor.
-        out = embd / np.sqrt(d) * 4.0 + 0.5 * rng.standard_normal((cfg.n_vocab, d)) / np.sqrt(d)
-        w.add_tensor("output.weight", out.astype(wdtype))
-    for il in range(cfg.n_layer):
-        p = f"blk.{il}."
-        w.add_tensor(p + "attn_norm.weight", norm(d))
-        w.add_tensor(p + "attn_q.weight", mat(nq, d))
-        w.add_tensor(p + "attn_k.weight", mat(nkv, d))
-        w.add_tensor(p + "attn_v.weight", mat(nkv, d))
-        if arch == "qwen2":
-            w.add_tensor(p + "attn_q.bias", bias(nq))
-            w.add_tensor(p + "attn_k.bias", bias(nkv))
-            w.add_tensor(p + "attn_v.bias", bias(nkv))
-        if arch in ("qwen3", "gemma3"):
-            w.add_tensor(p + "attn_q_norm.weight", norm(hd))
-            w.add_tensor(p + "attn_k_norm.weight", norm(hd))
-        w.add_tensor(p + "attn_output.weight", mat(d, nq))
-        w.add_tensor(p + "ffn_norm.weight", norm(d))
-        w.add_tensor(p + "ffn_gate.weight", mat(f, d))
-        w.add_tensor(p + "ffn_up.weight", mat(f, d))
-        w.add_tensor(p + "ffn_down.weight", mat(d, f))
-        if arch == "gemma3":
-            w.add_tensor(p + "post_attention_norm.weight", norm(d))
-            w.add_tensor(p + "post_ffw_norm.weight", norm(d))
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    else:
+        raise ValueError(f"unknown fixture vocabulary {kind!r}")

@@ -1,8 +1,11 @@
 """ModelIR: the architecture-neutral description of a decoder-only transformer that codegen renders.
 
-Everything here is plain data (frozen dataclasses of ints, floats, strings and tuples) so that it can be
-hashed, compared and written as JSON (`alchemist inspect --ir`). Arch profiles build it from GGUF facts;
-codegen never looks at the GGUF file again.
+A model is components named by kind: an embedding, N blocks (norms, attention, MLP and how they are wired)
+and an output. Each component names the GGUF tensors it reads (a layer's as a suffix of `blk.<il>.`, None
+where the family has no such tensor) and carries the numbers it needs. Everything is plain data (frozen
+dataclasses of ints, floats, strings, enums and tuples) so that it can be hashed, compared and written as
+JSON (`alchemist inspect --ir`). Family files build it from GGUF facts (alchemist/arch); codegen never
+looks at the GGUF file again, and refuses any value it has no template for.
 """
 
 from __future__ import annotations
@@ -15,13 +18,43 @@ from enum import Enum
 
 
 class RopeStyle(str, Enum):
+    NONE = "none"  # no rotary embedding (gpt2; layers that skip RoPE)
     NORM = "norm"  # rotate adjacent pairs (2i, 2i+1): llama
-    NEOX = "neox"  # rotate (i, i + n_rot/2): qwen2, qwen3, gemma3
+    NEOX = "neox"  # rotate (i, i + n_rot/2): qwen2, qwen3, gemma, phi3, ...
+
+
+class RopeScaling(str, Enum):
+    NONE = "none"
+    LINEAR = "linear"  # positions divided by the factor
+    LLAMA3 = "llama3"  # per-frequency divisors stored in rope_freqs.weight
+    YARN = "yarn"  # NTK-by-parts interpolation with an attention (magnitude) factor
+    LONGROPE = "longrope"  # phi3: per-frequency divisors rope_factors_{long,short}.weight and a magnitude factor
 
 
 class Activation(str, Enum):
     SILU = "silu"
     GELU_TANH = "gelu_tanh"  # ggml_gelu: the tanh approximation
+
+
+class NormKind(str, Enum):
+    RMS = "rms"  # x / sqrt(mean(x²) + eps) · w
+    LAYER = "layer"  # (x - mean) / sqrt(var + eps) · w + b
+
+
+class MLPKind(str, Enum):
+    GATED = "gated"  # down(act(gate(x)) · up(x))
+    FUSED_GATED = "fused_gated"  # up(x) holds [gate | up]: down(act(first half) · second half)
+    PLAIN = "plain"  # down(act(up(x)))
+
+
+class Wiring(str, Enum):
+    SEQUENTIAL = "sequential"  # x += attn(norm(x)); x += mlp(norm(x)); each branch optionally post-normed
+    PARALLEL = "parallel"  # x += attn(norm(x)) + mlp(norm(x)): both branches read the same residual
+
+
+class QKNormScope(str, Enum):
+    HEAD = "head"  # over each head's HEAD_DIM values (weight shared by heads, or one row per head)
+    FULL = "full"  # over the whole projection (olmo2)
 
 
 @dataclass(frozen=True)
@@ -33,7 +66,9 @@ class TensorBinding:
     shape: tuple[int, ...]
     offset: int  # within the GGUF data section
     nbytes: int
-    role: str  # "linear" (y = x @ W.T, W is (n_out, n_in)), "embedding", "norm", "bias", "rope_freqs"
+    # "linear" (y = x @ W.T, W is (n_out, n_in)), "embedding" (rows read by token id; also the tied
+    # output projection), "position_embedding" (rows read by position), "norm", "bias", "rope_factors"
+    role: str
     # True when alchemist's kernels can use the tensor in its GGUF block format (a quantized matrix of a
     # type alchemist.kernels supports, read by the graph only as a projection or an embedding)
     kernel: bool = False
@@ -44,20 +79,51 @@ class TensorBinding:
 
 
 @dataclass(frozen=True)
+class NormSpec:
+    kind: NormKind
+    weight: str | None  # tensor name (suffix within the block for layer norms); None: no learned scale
+    bias: str | None = None
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    style: RopeStyle
+    dim: int  # leading dims of each head that are rotated
+    base: float
+    freq_scale: float  # 1 / linear (or YaRN) scaling factor
+    scaling: RopeScaling = RopeScaling.NONE
+    freq_factors: str | None = None  # rope_freqs.weight (llama3) / rope_factors_long.weight (longrope)
+    attn_factor: float = 1.0  # multiplies cos and sin (YaRN's and LongRoPE's magnitude correction)
+    ext_factor: float = 0.0  # YaRN: how much of the extrapolated angle to mix in
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0  # YaRN: the context the model was trained for
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     n_head: int
     n_kv_head: int
     head_dim: int  # key/query head size
     head_dim_v: int
-    rope_dim: int  # leading dims of each head that are rotated
-    rope_base: float
-    rope_freq_scale: float  # 1 / linear rope scaling factor
+    rope: RopeSpec
     sliding_window: int  # 0: attends to the whole context
     score_scale: float  # multiplies q·k
-    q_norm: bool  # RMSNorm over each q head before RoPE (qwen3, gemma3)
-    k_norm: bool
-    qkv_bias: bool
-    out_bias: bool
+    out: str  # attn_output.weight
+    # projections: a fused [q | k | v] matrix, or three
+    qkv: str | None = None
+    q: str | None = None
+    k: str | None = None
+    v: str | None = None
+    qkv_bias: str | None = None
+    q_bias: str | None = None
+    k_bias: str | None = None
+    v_bias: str | None = None
+    out_bias: str | None = None
+    q_norm: NormSpec | None = None  # normalizes queries before RoPE
+    k_norm: NormSpec | None = None
+    qk_norm_scope: QKNormScope = QKNormScope.HEAD
+    logit_softcap: float = 0.0  # scores = cap · tanh(scores / cap) before the mask (gemma2)
 
     @property
     def group_size(self) -> int:
@@ -66,24 +132,52 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class MLPSpec:
-    n_ff: int
+    kind: MLPKind
     activation: Activation
-    gated: bool  # act(gate(x)) * up(x)
-    bias: bool
+    n_ff: int
+    up: str
+    down: str
+    gate: str | None = None
+    up_bias: str | None = None
+    down_bias: str | None = None
+    gate_bias: str | None = None
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     index: int
+    wiring: Wiring
     attention: AttentionSpec
     mlp: MLPSpec
-    post_attention_norm: bool  # gemma's sandwich norms
-    post_ffn_norm: bool
+    attn_norm: NormSpec | None  # before attention (and before the MLP too, in a parallel block)
+    ffn_norm: NormSpec | None  # before the MLP
+    attn_post_norm: NormSpec | None = None  # on the attention output, before the residual add
+    ffn_post_norm: NormSpec | None = None
+    residual_scale: float = 1.0  # multiplies each branch before the residual add (granite)
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    weight: str  # token_embd.weight
+    scale: float = 1.0  # gemma: sqrt(n_embd); granite: embedding_scale
+    positions: str | None = None  # learned absolute position embedding (gpt2)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    norm: NormSpec
+    weight: str  # output.weight, or token_embd.weight when tied
+    logit_scale: float = 1.0  # multiplies the logits (command-r; granite's divisor as its inverse)
+    final_softcap: float = 0.0  # logits = cap · tanh(logits / cap)
+
+    @property
+    def tied(self) -> bool:
+        return self.weight == "token_embd.weight"
 
 
 @dataclass(frozen=True)
 class ModelIR:
-    architecture: str  # profile name, validated identifier
+    architecture: str  # family name, validated identifier
     model_name: str  # general.name: free text, only ever emitted as a literal
     source_file: str
     source_sha256: str
@@ -93,31 +187,17 @@ class ModelIR:
     n_embd: int
     n_layer: int
     n_ctx_train: int
-    rms_eps: float
-    rope_style: RopeStyle
-    embedding_scale: float  # gemma multiplies token embeddings by sqrt(n_embd)
-    final_logit_softcap: float  # 0: none
-    tied_output: bool  # logits use token_embd.weight
-    has_rope_freqs: bool  # llama3-style per-frequency divisors (rope_freqs.weight)
+    norm_eps: float
+    embedding: EmbeddingSpec
     layers: tuple[LayerSpec, ...]
+    output: OutputSpec
     tensors: tuple[TensorBinding, ...]
-    ignored_tensors: tuple[tuple[str, str], ...]  # (name, reason)
 
     def tensor(self, name: str) -> TensorBinding:
         for t in self.tensors:
             if t.name == name:
                 return t
         raise KeyError(name)
-
-    @property
-    def uniform_layers(self) -> bool:
-        """True when every layer has the same attention shape (only window/rope base may differ)."""
-        first = self.layers[0]
-        return all(
-            (lay.attention.n_head, lay.attention.n_kv_head, lay.attention.head_dim, lay.mlp)
-            == (first.attention.n_head, first.attention.n_kv_head, first.attention.head_dim, first.mlp)
-            for lay in self.layers
-        )
 
     def to_dict(self) -> dict:
         return _jsonable(dataclasses.asdict(self))

@@ -20,7 +20,7 @@ from alchemist.codegen import BLACK_MODE, module_slug, py_literal, render_module
 from alchemist.errors import AlchemistError, GGUFError, UnsupportedModelError
 from alchemist.fixtures import FixtureConfig, write_fixture
 from alchemist.gguf_io import read_gguf
-from alchemist.ir import RopeStyle
+from alchemist.ir import MLPKind, RopeStyle
 from alchemist.runtime.api import write_generated
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,15 +67,15 @@ def test_gemma3_reference_ir(reference_models):
     ir = build_model_ir(read_gguf(reference_models["gemma-3-270m"]))
     assert (ir.architecture, ir.n_layer, ir.n_embd, ir.n_vocab) == ("gemma3", 18, 640, 262144)
     att, mlp = ir.layers[0].attention, ir.layers[0].mlp
-    assert (att.n_head, att.n_kv_head, att.head_dim, att.rope_dim) == (4, 1, 256, 256)
-    assert mlp.n_ff == 2048 and mlp.activation.value == "gelu_tanh"
-    assert att.score_scale == 1 / 16 and att.q_norm and att.k_norm and not att.qkv_bias
-    assert ir.rope_style is RopeStyle.NEOX and ir.tied_output and ir.embedding_scale == math.sqrt(640)
+    assert (att.n_head, att.n_kv_head, att.head_dim, att.rope.dim) == (4, 1, 256, 256)
+    assert mlp.n_ff == 2048 and mlp.activation.value == "gelu_tanh" and mlp.kind is MLPKind.GATED
+    assert att.score_scale == 1 / 16 and att.q_norm and att.k_norm and not att.q_bias
+    assert att.rope.style is RopeStyle.NEOX and ir.output.tied and ir.embedding.scale == math.sqrt(640)
     # pattern 6: layers 5, 11, 17 are global with the 1e6 base; the rest local (window 512, base 1e4)
     assert [lay.attention.sliding_window for lay in ir.layers] == [0 if i % 6 == 5 else 512 for i in range(18)]
-    assert [lay.attention.rope_base for lay in ir.layers] == [1e6 if i % 6 == 5 else 1e4 for i in range(18)]
-    assert ir.layers[0].post_attention_norm and ir.layers[0].post_ffn_norm
-    assert ir.rms_eps == pytest.approx(1e-6) and ir.final_logit_softcap == 0.0
+    assert [lay.attention.rope.base for lay in ir.layers] == [1e6 if i % 6 == 5 else 1e4 for i in range(18)]
+    assert ir.layers[0].attn_post_norm and ir.layers[0].ffn_post_norm
+    assert ir.norm_eps == pytest.approx(1e-6) and ir.output.final_softcap == 0.0
 
 
 def test_qwen2_reference_ir(reference_models):
@@ -83,9 +83,10 @@ def test_qwen2_reference_ir(reference_models):
     assert (ir.architecture, ir.n_layer, ir.n_embd, ir.n_vocab, ir.n_ctx_train) == ("qwen2", 24, 896, 151936, 32768)
     att, mlp = ir.layers[0].attention, ir.layers[0].mlp
     assert (att.n_head, att.n_kv_head, att.head_dim, att.group_size) == (14, 2, 64, 7)
-    assert att.qkv_bias and not att.q_norm and att.score_scale == 0.125 and att.rope_base == 1e6
+    assert att.q_bias and att.k_bias and att.v_bias and not att.out_bias
+    assert not att.q_norm and att.score_scale == 0.125 and att.rope.base == 1e6
     assert mlp.n_ff == 4864 and mlp.activation.value == "silu"
-    assert ir.rope_style is RopeStyle.NEOX and not ir.tied_output and ir.embedding_scale == 1.0
+    assert att.rope.style is RopeStyle.NEOX and not ir.output.tied and ir.embedding.scale == 1.0
     assert all(lay.attention.sliding_window == 0 for lay in ir.layers)
     types = {t.name: t.ggml_type for t in ir.tensors}
     assert types["output.weight"] == "Q8_0" and types["blk.0.ffn_down.weight"] == "Q6_K"
@@ -108,11 +109,11 @@ def test_fixture_ir_per_family(tiny_gguf, arch, style, tied, qk_norm, bias, wind
     att = ir.layers[0].attention
     assert (ir.architecture, ir.n_layer, ir.n_embd, ir.n_vocab) == (arch, cfg.n_layer, cfg.n_embd, cfg.n_vocab)
     assert (att.n_head, att.n_kv_head, att.head_dim, ir.layers[0].mlp.n_ff) == (4, 2, 64, cfg.n_ff)
-    assert ir.rope_style is style and ir.tied_output is tied
-    assert att.q_norm is qk_norm and att.qkv_bias is bias
+    assert att.rope.style is style and ir.output.tied is tied
+    assert (att.q_norm is not None) is qk_norm and (att.q_bias is not None) is bias
     assert [lay.attention.sliding_window for lay in ir.layers] == windows
     assert att.score_scale == pytest.approx(1 / 8)
-    assert ir.embedding_scale == (16.0 if arch == "gemma3" else 1.0)
+    assert ir.embedding.scale == (16.0 if arch == "gemma3" else 1.0)
     # IR JSON round-trips and hashes deterministically
     assert json.loads(ir.to_json())["architecture"] == arch
     assert ir.ir_hash() == build_model_ir(read_gguf(tiny_gguf(arch))).ir_hash()

@@ -1,24 +1,26 @@
-"""Architecture profiles: one small file per family; `build_model_ir(facts)` picks the right one."""
+"""Architecture families: one small declarative file each (`alchemist/arch/<family>.py` defines FAMILY);
+`build_model_ir(facts)` picks the file's family and builds the ModelIR with `alchemist.arch.build`."""
 
 from __future__ import annotations
 
 from alchemist.arch import gemma3, llama, qwen2, qwen3
-from alchemist.arch.common import FamilyProfile, build_ir
+from alchemist.arch.build import build_ir
+from alchemist.arch.family import Family
 from alchemist.errors import UnsupportedModelError
 from alchemist.gguf_io import GGUFFacts
 from alchemist.ir import ModelIR
 
-PROFILES: dict[str, FamilyProfile] = {m.PROFILE.name: m.PROFILE for m in (llama, qwen2, qwen3, gemma3)}
+FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (llama, qwen2, qwen3, gemma3)}
 
 
 def build_model_ir(facts: GGUFFacts) -> ModelIR:
     arch = facts.architecture
-    profile = PROFILES.get(arch)
-    if profile is None:
+    family = FAMILIES.get(arch)
+    if family is None:
         raise UnsupportedModelError(
-            f"{facts.path}: architecture {arch!r} is not supported (supported: {', '.join(sorted(PROFILES))})"
+            f"{facts.path}: architecture {arch!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
         )
-    return build_ir(facts, profile)
+    return build_ir(facts, family)
 
 
-__all__ = ["PROFILES", "build_model_ir"]
+__all__ = ["FAMILIES", "Family", "build_model_ir"]

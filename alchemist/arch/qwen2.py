@@ -1,11 +1,13 @@
-"""Qwen2 / Qwen2.5: llama.cpp src/models/qwen2.cpp. Llama-like, with q/k/v biases and NEOX RoPE."""
+"""Qwen2 / Qwen2.5: llama.cpp src/models/qwen2.cpp. Llama with q/k/v biases and NEOX RoPE."""
 
-from alchemist.arch.common import FamilyProfile
+from alchemist.arch.family import Family, FixtureSpec
+from alchemist.arch.table import ATTN_QKV_BIAS, LLAMA
 from alchemist.ir import Activation, RopeStyle
 
-PROFILE = FamilyProfile(
+FAMILY = Family(
     name="qwen2",
-    rope_style=RopeStyle.NEOX,
+    tensors=LLAMA + ATTN_QKV_BIAS,
+    rope=RopeStyle.NEOX,
     activation=Activation.SILU,
-    optional_layer_tensors=("attn_q.bias",),
+    fixture=FixtureSpec(optional=("output.weight",)),
 )

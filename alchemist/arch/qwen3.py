@@ -1,11 +1,13 @@
 """Qwen3 (dense): llama.cpp src/models/qwen3.cpp. No biases; RMSNorm over each q/k head before NEOX RoPE."""
 
-from alchemist.arch.common import FamilyProfile
+from alchemist.arch.family import Family, FixtureSpec
+from alchemist.arch.table import LLAMA, QK_NORM_HEAD
 from alchemist.ir import Activation, RopeStyle
 
-PROFILE = FamilyProfile(
+FAMILY = Family(
     name="qwen3",
-    rope_style=RopeStyle.NEOX,
+    tensors=LLAMA + QK_NORM_HEAD,
+    rope=RopeStyle.NEOX,
     activation=Activation.SILU,
-    qk_norm=True,
+    fixture=FixtureSpec(optional=("output.weight",)),
 )

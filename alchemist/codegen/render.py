@@ -7,6 +7,7 @@ rendered with StrictUndefined, formatted with black and parsed back with libcst 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -18,7 +19,7 @@ import libcst
 
 from alchemist import __version__
 from alchemist.errors import UnsupportedModelError
-from alchemist.ir import ModelIR
+from alchemist.ir import Activation, LayerSpec, MLPKind, ModelIR, RopeScaling, RopeStyle, Wiring
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent.parent / "templates"
 IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -61,53 +62,125 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+def _structure(layer: LayerSpec) -> LayerSpec:
+    """A layer with its per-layer numbers blanked: what must be the same in every layer to share one block()."""
+    att = layer.attention
+    rope = dataclasses.replace(att.rope, base=0.0, freq_scale=0.0, style=RopeStyle.NONE)
+    return dataclasses.replace(
+        layer, index=0, attention=dataclasses.replace(att, sliding_window=0, rope=rope)
+    )
+
+
+def _rope_style(ir: ModelIR) -> RopeStyle:
+    styles = {lay.attention.rope.style for lay in ir.layers} - {RopeStyle.NONE}
+    if len(styles) > 1:
+        raise UnsupportedModelError(f"{ir.source_file}: layers rotate in different RoPE styles {sorted(styles)}")
+    return styles.pop() if styles else RopeStyle.NONE
+
+
+def check_renderable(ir: ModelIR) -> None:
+    """Refuse an IR the templates cannot render faithfully (every IR field is either rendered or checked here)."""
+    if not IDENTIFIER.match(ir.architecture):
+        raise UnsupportedModelError(f"architecture name {ir.architecture!r} is not a valid identifier")
+    first = ir.layers[0]
+    for lay in ir.layers:
+        if _structure(lay) != _structure(first):
+            raise UnsupportedModelError(
+                f"{ir.source_file}: layer {lay.index} differs from layer 0 in more than its window and RoPE "
+                "numbers; per-layer structure is not supported"
+            )
+    att, mlp = first.attention, first.mlp
+    problems = []
+    if att.head_dim_v != att.head_dim:
+        problems.append(f"value heads of {att.head_dim_v} != key heads of {att.head_dim}")
+    if att.rope.scaling not in RENDERABLE_ROPE_SCALING:
+        problems.append(f"RoPE scaling {att.rope.scaling.value!r}")
+    if (att.rope.freq_factors is not None) != (att.rope.scaling in (RopeScaling.LLAMA3, RopeScaling.LONGROPE)):
+        problems.append("RoPE frequency factors without a scaling kind that reads them")
+    if att.rope.ext_factor or att.rope.attn_factor != 1.0:
+        problems.append("RoPE magnitude/extrapolation factors")
+    if bool(att.qkv) == bool(att.q or att.k or att.v) or not (att.qkv or (att.q and att.k and att.v)):
+        problems.append("attention needs either a fused qkv projection or all of q, k and v")
+    if att.qkv_bias and not att.qkv or (att.q_bias or att.k_bias or att.v_bias) and att.qkv:
+        problems.append("attention biases that do not match its projections")
+    if bool(att.q_norm) != bool(att.k_norm):
+        problems.append("a q norm without a k norm (or the reverse)")
+    if (mlp.kind is MLPKind.GATED) != bool(mlp.gate) or (mlp.gate_bias and not mlp.gate):
+        problems.append(f"a {mlp.kind.value} MLP with{'out' if not mlp.gate else ''} a gate tensor")
+    if first.wiring is Wiring.PARALLEL and (first.attn_norm is None or first.attn_post_norm or first.ffn_post_norm):
+        problems.append("a parallel block needs an input norm and has no post-norms")
+    if att.group_size * att.n_kv_head != att.n_head:
+        problems.append(f"{att.n_head} query heads are not a multiple of {att.n_kv_head} KV heads")
+    if problems:
+        raise UnsupportedModelError(f"{ir.source_file}: the templates cannot render " + "; ".join(problems))
+
+
+RENDERABLE_ROPE_SCALING = (RopeScaling.NONE, RopeScaling.LINEAR, RopeScaling.LLAMA3)
+
+
+def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
+    """(name, value, comment) for every configuration constant of the generated module, in file order."""
+    first = ir.layers[0]
+    att, mlp = first.attention, first.mlp
+    style = _rope_style(ir)
+    rows = [
+        ("ARCHITECTURE", ir.architecture, ""),
+        ("N_VOCAB", ir.n_vocab, ""),
+        ("N_EMBD", ir.n_embd, ""),
+        ("N_LAYER", ir.n_layer, ""),
+        ("N_HEAD", att.n_head, ""),
+        ("N_KV_HEAD", att.n_kv_head, ""),
+        ("HEAD_DIM", att.head_dim, ""),
+        ("GROUP_SIZE", att.group_size, "query heads sharing one KV head"),
+        ("N_FF", mlp.n_ff, ""),
+        ("CONTEXT_LENGTH", ir.n_ctx_train, ""),
+        ("NORM_EPS", ir.norm_eps, ""),
+        ("SCORE_SCALE", att.score_scale, "multiplies q·k before the softmax"),
+    ]
+    if att.logit_softcap:
+        rows.append(("ATTN_LOGIT_SOFTCAP", att.logit_softcap, "scores = cap · tanh(scores / cap)"))
+    if ir.embedding.scale != 1.0:
+        rows.append(("EMBED_SCALE", ir.embedding.scale, "token embeddings are scaled on input"))
+    if first.residual_scale != 1.0:
+        rows.append(("RESIDUAL_SCALE", first.residual_scale, "each branch is scaled before its residual add"))
+    if ir.output.logit_scale != 1.0:
+        rows.append(("LOGIT_SCALE", ir.output.logit_scale, "multiplies the logits"))
+    if ir.output.final_softcap:
+        rows.append(("FINAL_LOGIT_SOFTCAP", ir.output.final_softcap, "logits = cap · tanh(logits / cap)"))
+    rows.append(
+        ("SLIDING_WINDOW", tuple(lay.attention.sliding_window for lay in ir.layers), "per layer; 0: all positions")
+    )
+    if style is not RopeStyle.NONE:
+        rows.append(("ROPE_DIM", att.rope.dim, f"leading dims of each head that RoPE rotates ({style.value} style)"))
+        rows.append(("ROPE_BASE", tuple(lay.attention.rope.base for lay in ir.layers), "per layer"))
+        rows.append(("ROPE_FREQ_SCALE", tuple(lay.attention.rope.freq_scale for lay in ir.layers), "per layer"))
+        rotates = tuple(lay.attention.rope.style is not RopeStyle.NONE for lay in ir.layers)
+        if not all(rotates):
+            rows.append(("ROPE_LAYERS", rotates, "per layer: whether it applies RoPE"))
+    return rows
+
+
 def module_constants(ir: ModelIR) -> dict:
     """The configuration constants a generated module defines, name -> value, each exactly as the IR says.
 
     The template renders them and the auditor compares a module's literals against them: one mapping."""
-    first = ir.layers[0]
-    att, mlp = first.attention, first.mlp
-    constants = {
-        "ARCHITECTURE": ir.architecture,
-        "N_VOCAB": ir.n_vocab,
-        "N_EMBD": ir.n_embd,
-        "N_LAYER": ir.n_layer,
-        "N_HEAD": att.n_head,
-        "N_KV_HEAD": att.n_kv_head,
-        "HEAD_DIM": att.head_dim,
-        "N_FF": mlp.n_ff,
-        "CONTEXT_LENGTH": ir.n_ctx_train,
-        "RMS_EPS": ir.rms_eps,
-        "ROPE_DIM": att.rope_dim,
-        "SCORE_SCALE": att.score_scale,
-        "SLIDING_WINDOW": tuple(lay.attention.sliding_window for lay in ir.layers),
-        "ROPE_BASE": tuple(lay.attention.rope_base for lay in ir.layers),
-        "ROPE_FREQ_SCALE": tuple(lay.attention.rope_freq_scale for lay in ir.layers),
-        "DATA_OFFSET": ir.data_offset,
-    }
-    if ir.embedding_scale != 1.0:
-        constants["EMBED_SCALE"] = ir.embedding_scale
-    if ir.final_logit_softcap:
-        constants["FINAL_LOGIT_SOFTCAP"] = ir.final_logit_softcap
-    return constants
+    check_renderable(ir)
+    return {name: value for name, value, _ in _constant_rows(ir)} | {"DATA_OFFSET": ir.data_offset}
 
 
 def template_context(ir: ModelIR) -> dict:
-    if not IDENTIFIER.match(ir.architecture):
-        raise UnsupportedModelError(f"architecture name {ir.architecture!r} is not a valid identifier")
-    if not ir.uniform_layers:
-        raise UnsupportedModelError(
-            f"{ir.source_file}: layers with different head counts or MLP sizes are not supported"
-        )
+    check_renderable(ir)
     first = ir.layers[0]
-    att, mlp = first.attention, first.mlp
-    for lay in ir.layers:
-        if (lay.attention.qkv_bias, lay.attention.out_bias, lay.mlp.bias) != (att.qkv_bias, att.out_bias, mlp.bias):
-            raise UnsupportedModelError(f"{ir.source_file}: biases present in some layers only are not supported")
-        if lay.attention.score_scale != att.score_scale or lay.attention.rope_dim != att.rope_dim:
-            raise UnsupportedModelError(f"{ir.source_file}: per-layer attention scale / rope size is not supported")
+    att = first.attention
+    style = _rope_style(ir)
+    norms = [first.attn_norm, first.ffn_norm, first.attn_post_norm, first.ffn_post_norm, att.q_norm, ir.output.norm]
+    summary = (
+        f"{ir.n_layer} layers, d_model {ir.n_embd}, {att.n_head} query heads / {att.n_kv_head} KV heads of size "
+        f"{att.head_dim}, vocabulary {ir.n_vocab}."
+    )
     return dict(
         arch=ir.architecture,
+        summary=summary,
         model_name=ir.model_name,
         source_file=ir.source_file,
         source_sha256=ir.source_sha256,
@@ -115,34 +188,25 @@ def template_context(ir: ModelIR) -> dict:
         data_offset=ir.data_offset,
         generator=f"alchemist {__version__}",
         ir_hash=ir.ir_hash(),
-        n_vocab=ir.n_vocab,
-        n_embd=ir.n_embd,
-        n_layer=ir.n_layer,
-        n_head=att.n_head,
-        n_kv_head=att.n_kv_head,
-        head_dim=att.head_dim,
-        n_ff=mlp.n_ff,
-        n_ctx_train=ir.n_ctx_train,
-        rms_eps=ir.rms_eps,
-        rope_dim=att.rope_dim,
-        rope_style=ir.rope_style.value,
-        score_scale=att.score_scale,
-        embedding_scale=ir.embedding_scale,
-        final_logit_softcap=ir.final_logit_softcap,
-        sliding_window=tuple(lay.attention.sliding_window for lay in ir.layers),
-        rope_base=tuple(lay.attention.rope_base for lay in ir.layers),
-        rope_freq_scale=tuple(lay.attention.rope_freq_scale for lay in ir.layers),
-        has_rope_freqs=ir.has_rope_freqs,
+        constants=_constant_rows(ir),
+        norm_kinds=sorted({n.kind.value for n in norms if n is not None}),
+        activation=first.mlp.activation.value,
+        act_fn=ACTIVATION_FUNCTIONS[first.mlp.activation],
+        rope=style is not RopeStyle.NONE,
+        rope_style=style.value,
+        rope_layers=any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.layers) and style is not RopeStyle.NONE,
+        rope_factors=att.rope.freq_factors,
+        rope_scaling=att.rope.scaling.value,
+        layer=first,
+        att=att,
+        mlp=first.mlp,
+        embedding=ir.embedding,
+        output=ir.output,
         tensors=ir.tensors,
-        qkv_bias=att.qkv_bias,
-        out_bias=att.out_bias,
-        mlp_bias=mlp.bias,
-        qk_norm=att.q_norm,
-        sandwich_norms=first.post_attention_norm,
-        activation=mlp.activation.value,
-        act_fn="gelu" if mlp.activation.value == "gelu_tanh" else "silu",
-        tied_output=ir.tied_output,
     )
+
+
+ACTIVATION_FUNCTIONS = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu"}
 
 
 def render_module(ir: ModelIR) -> str:

@@ -1,0 +1,268 @@
+"""GGUF facts + a family -> ModelIR, the same way for every family.
+
+Reads the hyperparameters every decoder has, binds the file's tensors against the family's table (each
+present with the shape the hyperparameters imply, every required one there, none left unexplained), and
+names the components by kind from what was bound: a fused or split attention, biases, q/k norms, the MLP
+kind, post-norms, an untied output, RoPE factors.
+"""
+
+from __future__ import annotations
+
+import math
+
+from alchemist.arch.family import Family, Hparams
+from alchemist.arch.table import Dims, TensorSpec
+from alchemist.errors import GGUFError, UnsupportedModelError
+from alchemist.gguf_io import GGUFFacts
+from alchemist.ir import (
+    AttentionSpec,
+    EmbeddingSpec,
+    LayerSpec,
+    MLPKind,
+    MLPSpec,
+    ModelIR,
+    NormKind,
+    NormSpec,
+    OutputSpec,
+    QKNormScope,
+    RopeScaling,
+    RopeSpec,
+    RopeStyle,
+    TensorBinding,
+)
+from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
+
+EPS_KEYS = {NormKind.RMS: "attention.layer_norm_rms_epsilon", NormKind.LAYER: "attention.layer_norm_epsilon"}
+
+
+def read_dims(facts: GGUFFacts, hp: Hparams) -> Dims:
+    path, arch = facts.path, hp.arch
+    n_embd = hp.int("embedding_length", minimum=1)
+    n_head = hp.int("attention.head_count", minimum=1)
+    if n_head > n_embd:
+        raise GGUFError(path, f"{arch}.attention.head_count", f"{n_head} heads for an embedding of only {n_embd}")
+    n_kv_head = hp.int("attention.head_count_kv", default=n_head, minimum=1)
+    if n_head % n_kv_head:
+        raise GGUFError(path, f"{arch}.attention.head_count_kv", f"{n_kv_head} does not divide head_count {n_head}")
+    head_dim = hp.int("attention.key_length", default=n_embd // n_head, minimum=1)
+    head_dim_v = hp.int("attention.value_length", default=n_embd // n_head, minimum=1)
+    if head_dim_v != head_dim:
+        raise UnsupportedModelError(f"{path}: key_length {head_dim} != value_length {head_dim_v} is not supported")
+    rope_dim = hp.int("rope.dimension_count", default=head_dim, minimum=2)
+    if rope_dim > head_dim or rope_dim % 2:
+        raise GGUFError(
+            path, f"{arch}.rope.dimension_count", f"{rope_dim} must be even and at most the head size {head_dim}"
+        )
+    if "token_embd.weight" not in facts.tensors:
+        raise UnsupportedModelError(f"{path}: missing tensor 'token_embd.weight'")
+    return Dims(
+        n_vocab=facts.tensors["token_embd.weight"].shape[0],
+        n_embd=n_embd,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        head_dim=head_dim,
+        n_ff=hp.int("feed_forward_length", minimum=1),
+        rope_dim=rope_dim,
+        n_ctx=hp.int("context_length", minimum=1),
+    )
+
+
+def bind_tensors(facts: GGUFFacts, family: Family, dims: Dims, n_layer: int) -> dict[str, TensorBinding]:
+    """Every tensor of the file bound to its table entry, checked for shape; missing or unknown ones refused."""
+    bindings: dict[str, TensorBinding] = {}
+    missing: list[str] = []
+    for spec in family.tensors:
+        names = [spec.name.format(il=il) for il in range(n_layer)] if spec.per_layer else [spec.name]
+        present = [n for n in names if n in facts.tensors]
+        if spec.required:
+            missing += [n for n in names if n not in facts.tensors]
+        elif present and len(present) != len(names):
+            raise UnsupportedModelError(
+                f"{facts.path}: {spec.suffix} is present in {len(present)} of {len(names)} layers; "
+                "optional tensors must be in every layer or none"
+            )
+        for name in present:
+            bindings[name] = _binding(facts, name, spec, dims.resolve(spec.shape))
+    if missing:
+        shown = ", ".join(missing[:12]) + (f" … and {len(missing) - 12} more" if len(missing) > 12 else "")
+        raise UnsupportedModelError(f"{facts.path}: {family.name} model is missing tensors: {shown}")
+    unknown = [n for n in facts.tensors if n not in bindings]
+    if unknown:
+        shown = ", ".join(repr(n) for n in unknown[:12]) + (
+            f" … and {len(unknown) - 12} more" if len(unknown) > 12 else ""
+        )
+        raise UnsupportedModelError(f"{facts.path}: tensors the {family.name} family does not know: {shown}")
+    return bindings
+
+
+def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int, ...]) -> TensorBinding:
+    info = facts.tensors[name]
+    if info.shape != expected:
+        raise GGUFError(
+            facts.path,
+            f"tensor {name!r} shape",
+            f"expected {list(expected)} (numpy order, {' x '.join(spec.shape)}) from the hyperparameters, "
+            f"found {list(info.shape)}",
+        )
+    kernel = spec.role in ("linear", "embedding") and len(info.shape) == 2 and info.ggml_type in KERNEL_TYPES
+    return TensorBinding(name, info.ggml_type, info.shape, info.offset, info.nbytes, spec.role, kernel)
+
+
+def rope_scaling(facts: GGUFFacts, hp: Hparams, family: Family, bound: set[str], dims: Dims) -> dict:
+    """RopeSpec fields shared by every layer: the scaling kind and its numbers (llama.cpp's llama_hparams and
+    cparams defaults)."""
+    factor = hp.float("rope.scaling.factor", default=0.0) or hp.float("rope.scale_linear", default=0.0)
+    kind = hp.str("rope.scaling.type", default="linear" if factor else "none")
+    if kind not in family.rope_scalings:
+        raise UnsupportedModelError(
+            f"{facts.path}: {family.name}.rope.scaling.type {kind!r} is not supported "
+            f"(supported: {', '.join(family.rope_scalings)})"
+        )
+    freq_scale = 1.0 / factor if factor else 1.0
+    if not (math.isfinite(freq_scale) and freq_scale > 0):
+        raise GGUFError(facts.path, f"{family.name}.rope.scaling.factor", f"invalid factor {factor}")
+    fields = dict(freq_scale=freq_scale, scaling=RopeScaling.LINEAR if factor else RopeScaling.NONE)
+    if "rope_freqs.weight" in bound:
+        fields.update(scaling=RopeScaling.LLAMA3, freq_factors="rope_freqs.weight")
+    if kind == "yarn":
+        n_ctx_orig = hp.int("rope.scaling.original_context_length", default=dims.n_ctx, minimum=1)
+        # llama.cpp: yarn_ext_factor defaults to 1 for YaRN; the magnitude factor is 1 + 0.1 ln(1/freq_scale)
+        # (applied inside ggml's rope from ext_factor) times rope.scaling.yarn_attn_factor (default 1)
+        fields.update(
+            scaling=RopeScaling.YARN,
+            ext_factor=hp.float("rope.scaling.yarn_ext_factor", default=1.0),
+            attn_factor=hp.float("rope.scaling.yarn_attn_factor", default=1.0, positive=True),
+            beta_fast=hp.float("rope.scaling.yarn_beta_fast", default=32.0),
+            beta_slow=hp.float("rope.scaling.yarn_beta_slow", default=1.0),
+            n_ctx_orig=n_ctx_orig,
+        )
+    return fields
+
+
+def norm_spec(kind: NormKind, bound: set[str], weight: str, prefix: str = "") -> NormSpec | None:
+    """The norm whose weight is `weight` (a block suffix when prefix is a layer's), or None if absent."""
+    if prefix + weight not in bound:
+        return None
+    bias = weight.removesuffix(".weight") + ".bias"
+    return NormSpec(kind, weight, bias if prefix + bias in bound else None)
+
+
+def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
+    hp = Hparams(facts, family.name)
+    dims = read_dims(facts, hp)
+    n_layer = hp.int("block_count", minimum=1)
+    norm_eps = hp.float(EPS_KEYS[family.norm], positive=True)
+    if hp.int("expert_count", default=0) > 0:
+        raise UnsupportedModelError(f"{facts.path}: mixture-of-experts models are not supported yet")
+    bindings = bind_tensors(facts, family, dims, n_layer)
+    bound = set(bindings)
+    table = {spec.suffix: spec for spec in family.tensors}
+
+    rope_fields = rope_scaling(facts, hp, family, bound, dims)
+    rope_base = hp.float("rope.freq_base", default=10000.0, positive=True)
+    sliding = family.sliding_layers(hp, n_layer) if family.sliding_layers else [False] * n_layer
+    window = hp.int("attention.sliding_window", default=0) if any(sliding) else 0
+    sliding = [s and window > 0 for s in sliding]
+    swa_rope = family.swa_rope(hp, rope_base, rope_fields["freq_scale"]) if family.swa_rope else None
+    score_scale = family.score_scale(hp, dims.head_dim)
+    layer0 = {spec.suffix for spec in family.tensors if spec.per_layer and spec.name.format(il=0) in bound}
+    wiring = family.wiring_for(hp, layer0) if family.wiring_for else family.wiring
+
+    def block_norm(weight: str) -> NormSpec | None:
+        return norm_spec(family.norm, bound, weight, prefix="blk.0.")
+
+    def present(suffix: str) -> str | None:
+        return suffix if suffix in layer0 else None
+
+    qk_scope = QKNormScope.HEAD
+    if "attn_q_norm.weight" in layer0 and table["attn_q_norm.weight"].shape == ("n_q",):
+        qk_scope = QKNormScope.FULL
+    if "ffn_gate.weight" in layer0:
+        mlp_kind = MLPKind.GATED
+    elif table["ffn_up.weight"].shape[0] == "n_ff2":
+        mlp_kind = MLPKind.FUSED_GATED
+    else:
+        mlp_kind = MLPKind.PLAIN
+    mlp = MLPSpec(
+        kind=mlp_kind,
+        activation=family.activation,
+        n_ff=dims.n_ff,
+        up="ffn_up.weight",
+        down="ffn_down.weight",
+        gate=present("ffn_gate.weight"),
+        up_bias=present("ffn_up.bias"),
+        down_bias=present("ffn_down.bias"),
+        gate_bias=present("ffn_gate.bias"),
+    )
+    layers = []
+    for il in range(n_layer):
+        rotates = family.rope_on_layer(hp, il, sliding[il]) and family.rope is not RopeStyle.NONE
+        fields = dict(rope_fields, base=rope_base)
+        if sliding[il] and swa_rope is not None:
+            fields.update(base=swa_rope[0], freq_scale=swa_rope[1])
+        rope = RopeSpec(style=family.rope if rotates else RopeStyle.NONE, dim=dims.rope_dim, **fields)
+        attention = AttentionSpec(
+            n_head=dims.n_head,
+            n_kv_head=dims.n_kv_head,
+            head_dim=dims.head_dim,
+            head_dim_v=dims.head_dim,
+            rope=rope,
+            sliding_window=window if sliding[il] else 0,
+            score_scale=score_scale,
+            out="attn_output.weight",
+            qkv=present("attn_qkv.weight"),
+            q=present("attn_q.weight"),
+            k=present("attn_k.weight"),
+            v=present("attn_v.weight"),
+            qkv_bias=present("attn_qkv.bias"),
+            q_bias=present("attn_q.bias"),
+            k_bias=present("attn_k.bias"),
+            v_bias=present("attn_v.bias"),
+            out_bias=present("attn_output.bias"),
+            q_norm=block_norm("attn_q_norm.weight"),
+            k_norm=block_norm("attn_k_norm.weight"),
+            qk_norm_scope=qk_scope,
+            logit_softcap=family.attn_softcap(hp),
+        )
+        layers.append(
+            LayerSpec(
+                index=il,
+                wiring=wiring,
+                attention=attention,
+                mlp=mlp,
+                attn_norm=block_norm("attn_norm.weight"),
+                ffn_norm=block_norm("ffn_norm.weight"),
+                attn_post_norm=block_norm("post_attention_norm.weight"),
+                ffn_post_norm=block_norm("post_ffw_norm.weight"),
+                residual_scale=family.residual_scale(hp),
+            )
+        )
+
+    model_name = facts.metadata.get("general.name", "")
+    return ModelIR(
+        architecture=family.name,
+        model_name=model_name if isinstance(model_name, str) else "",
+        source_file=facts.file_name,
+        source_sha256=facts.sha256(),
+        file_size=facts.file_size,
+        data_offset=facts.data_offset,
+        n_vocab=dims.n_vocab,
+        n_embd=dims.n_embd,
+        n_layer=n_layer,
+        n_ctx_train=dims.n_ctx,
+        norm_eps=norm_eps,
+        embedding=EmbeddingSpec(
+            weight="token_embd.weight",
+            scale=family.embedding_scale(hp),
+            positions="position_embd.weight" if "position_embd.weight" in bound else None,
+        ),
+        layers=tuple(layers),
+        output=OutputSpec(
+            norm=norm_spec(family.norm, bound, "output_norm.weight"),
+            weight="output.weight" if "output.weight" in bound else "token_embd.weight",
+            logit_scale=family.logit_scale(hp),
+            final_softcap=family.final_softcap(hp),
+        ),
+        # GGUF file order: the order the loader reads the memory map in
+        tensors=tuple(bindings[n] for n in facts.tensors),
+    )

@@ -1,0 +1,149 @@
+"""A family: one small declarative value per architecture, as llama.cpp's src/models/<family>.cpp computes it.
+
+A family differs from another by data: its tensor table (alchemist/arch/table.py), its RoPE style and
+activation, its norm kind, how its blocks are wired, and a few numbers read from metadata. Where a number
+needs a computation (gemma's sqrt(n_embd), granite's 1/logit_scale, a sliding-window pattern), the
+family gives a small function of the hyperparameters. `alchemist.arch.build.build_ir` does the rest for
+every family alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from alchemist.arch.table import TensorSpec
+from alchemist.errors import GGUFError, UnsupportedModelError
+from alchemist.gguf_io import GGUFFacts
+from alchemist.ir import Activation, NormKind, RopeStyle, Wiring
+
+REQUIRED = object()
+
+
+class Hparams:
+    """Typed, validated reads of `<arch>.<key>` metadata (llama.cpp's `ml.get_key`)."""
+
+    def __init__(self, facts: GGUFFacts, arch: str):
+        self.facts = facts
+        self.arch = arch
+
+    def key(self, key: str) -> str:
+        return key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
+
+    def has(self, key: str) -> bool:
+        return self.key(key) in self.facts.metadata
+
+    def _raw(self, key: str, default):
+        full = self.key(key)
+        if full in self.facts.metadata:
+            return full, self.facts.metadata[full]
+        if default is REQUIRED:
+            raise GGUFError(self.facts.path, full, "required hyperparameter is missing")
+        return full, default
+
+    def int(self, key: str, default=REQUIRED, minimum: int = 0) -> int:
+        full, v = self._raw(key, default)
+        if isinstance(v, np.ndarray):
+            if v.size == 0 or not np.all(v == v.flat[0]):
+                raise UnsupportedModelError(
+                    f"{self.facts.path}: {full}: per-layer values {v.tolist()} are not supported"
+                )
+            v = v.flat[0].item()
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise GGUFError(self.facts.path, full, f"expected an integer, got {type(v).__name__}")
+        v = int(v)
+        if v < minimum:
+            raise GGUFError(self.facts.path, full, f"must be >= {minimum}, got {v}")
+        if key == "block_count" and v > len(self.facts.tensors):
+            # Every block has tensors; refusing a larger count keeps per-layer lists from being sized by it.
+            n_tensors = len(self.facts.tensors)
+            raise GGUFError(self.facts.path, full, f"{v} blocks, but the file has only {n_tensors} tensors")
+        return v
+
+    def float(self, key: str, default=REQUIRED, positive: bool = False) -> float:
+        full, v = self._raw(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+            raise GGUFError(self.facts.path, full, f"expected a number, got {type(v).__name__}")
+        v = float(v)
+        if not math.isfinite(v):
+            raise GGUFError(self.facts.path, full, f"must be finite, got {v}")
+        if positive and v <= 0:
+            raise GGUFError(self.facts.path, full, f"must be positive, got {v}")
+        return v
+
+    def str(self, key: str, default=REQUIRED) -> str:
+        full, v = self._raw(key, default)
+        if not isinstance(v, str):
+            raise GGUFError(self.facts.path, full, f"expected a string, got {type(v).__name__}")
+        return v
+
+    def bools(self, key: str, n: int) -> list[bool] | None:
+        """A per-layer boolean array (e.g. sliding_window_pattern as an array), or None when absent/scalar."""
+        full = self.key(key)
+        raw = self.facts.metadata.get(full)
+        if not isinstance(raw, np.ndarray):
+            return None
+        if raw.size != n:
+            raise GGUFError(self.facts.path, full, f"has {raw.size} entries for {n} layers")
+        return [bool(x) for x in raw.tolist()]
+
+
+def every_nth_dense(default_pattern: int) -> Callable[[Hparams, int], list[bool]]:
+    """llama.cpp's set_swa_pattern(n): layer il slides when il % n < n - 1 (the last of every n is global).
+    `attention.sliding_window_pattern` overrides n, or gives the per-layer flags as an array."""
+
+    def pattern(hp: Hparams, n_layer: int) -> list[bool]:
+        flags = hp.bools("attention.sliding_window_pattern", n_layer)
+        if flags is not None:
+            return flags
+        n = hp.int("attention.sliding_window_pattern", default=default_pattern)
+        return [n == 0 or il % n < n - 1 for il in range(n_layer)]
+
+    return pattern
+
+
+def inverse_sqrt_head_dim(hp: Hparams, head_dim: int) -> float:
+    """llama.cpp's default kq_scale, 1/sqrt(head_dim), unless `attention.scale` is set."""
+    scale = hp.float("attention.scale", default=0.0)
+    return scale if scale else 1.0 / math.sqrt(head_dim)
+
+
+@dataclass(frozen=True)
+class FixtureSpec:
+    """How `alchemist.fixtures` writes a tiny random-weight model of the family (tensors: from its table)."""
+
+    vocab: str = "bpe"  # "spm" (SentencePiece, llama tokenizer) or "bpe" (GPT-2 byte-level)
+    metadata: tuple[tuple[str, object], ...] = ()  # extra `<arch>.<key>` values (int -> uint32, float -> float32)
+    optional: tuple[str, ...] = ()  # optional tensors (table names) to include, e.g. "output.weight"
+    embedding_std: float = 1.0  # spread of the random token embedding
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # general.architecture value
+    tensors: tuple[TensorSpec, ...]
+    rope: RopeStyle
+    activation: Activation
+    norm: NormKind = NormKind.RMS
+    wiring: Wiring = Wiring.SEQUENTIAL
+    # numbers computed from the hyperparameters (hp); defaults are llama's
+    score_scale: Callable[[Hparams, int], float] = inverse_sqrt_head_dim  # (hp, head_dim) -> kq scale
+    embedding_scale: Callable[[Hparams], float] = lambda hp: 1.0
+    residual_scale: Callable[[Hparams], float] = lambda hp: 1.0
+    logit_scale: Callable[[Hparams], float] = lambda hp: 1.0
+    attn_softcap: Callable[[Hparams], float] = lambda hp: 0.0
+    final_softcap: Callable[[Hparams], float] = lambda hp: 0.0
+    # sliding-window attention: (hp, n_layer) -> which layers slide (window: attention.sliding_window)
+    sliding_layers: Callable[[Hparams, int], list[bool]] | None = None
+    # (hp, base, freq_scale) -> the sliding layers' (base, freq_scale); default: the same as every layer's
+    swa_rope: Callable[[Hparams, float, float], tuple[float, float]] | None = None
+    # (hp, il, sliding) -> whether layer il applies RoPE (smollm3, cohere2 skip it on some layers)
+    rope_on_layer: Callable[[Hparams, int, bool], bool] = lambda hp, il, sliding: True
+    # (hp, tensor names present in layer 0) -> wiring; stablelm is parallel when ffn_norm is absent
+    wiring_for: Callable[[Hparams, set[str]], Wiring] | None = None
+    rope_scalings: tuple[str, ...] = ("none", "linear", "yarn")
+    fixture: FixtureSpec = FixtureSpec()
+    notes: tuple[str, ...] = field(default=())

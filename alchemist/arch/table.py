@@ -1,0 +1,138 @@
+"""Tensor tables: which GGUF tensors a family has, what each is for, and its shape.
+
+In the spirit of gguf-py's MODEL_TENSORS and llama.cpp's `create_tensor`: a family's table is a tuple of
+`TensorSpec`s, usually a sum of the shared groups below. Binding the IR, writing a fixture and auditing a
+generated module all read this one table; a tensor list is never written anywhere else.
+
+A shape is a tuple of dimension names (numpy order, GGUF `ne` reversed), resolved by `Dims`. A tensor is
+required, or optional (llama.cpp's TENSOR_NOT_REQUIRED): an optional tensor's presence switches on what it
+feeds (a bias, a norm, an untied output), and its presence must be the same in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYER_PREFIX = "blk.{il}."
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # "token_embd.weight", or "blk.{il}.attn_q.weight" for one per layer
+    role: str  # linear | embedding | position_embedding | norm | bias | rope_factors
+    shape: tuple[str, ...]  # dimension names, numpy order
+    required: bool = True
+
+    @property
+    def per_layer(self) -> bool:
+        return self.name.startswith(LAYER_PREFIX)
+
+    @property
+    def suffix(self) -> str:
+        """The name within a block (`attn_q.weight`), or the whole name of a global tensor."""
+        return self.name[len(LAYER_PREFIX) :] if self.per_layer else self.name
+
+    def optional(self) -> TensorSpec:
+        return TensorSpec(self.name, self.role, self.shape, required=False)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Every dimension name a table may use, from the hyperparameters."""
+
+    n_vocab: int
+    n_embd: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    n_ff: int
+    rope_dim: int
+    n_ctx: int
+
+    def resolve(self, shape: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(self.size(name) for name in shape)
+
+    def size(self, name: str) -> int:
+        derived = {
+            "n_q": self.n_head * self.head_dim,
+            "n_kv": self.n_kv_head * self.head_dim,
+            "n_qkv": (self.n_head + 2 * self.n_kv_head) * self.head_dim,
+            "n_ff2": 2 * self.n_ff,
+            "rope_half": self.rope_dim // 2,
+        }
+        if name in derived:
+            return derived[name]
+        return getattr(self, name)
+
+
+def T(name: str, role: str, *shape: str) -> TensorSpec:
+    return TensorSpec(name, role, shape)
+
+
+def optional(*specs: TensorSpec) -> tuple[TensorSpec, ...]:
+    return tuple(s.optional() for s in specs)
+
+
+def _blk(name: str) -> str:
+    return LAYER_PREFIX + name
+
+
+# --- groups that families add up -------------------------------------------------------------------------
+TOKEN_EMBD = (T("token_embd.weight", "embedding", "n_vocab", "n_embd"),)
+OUTPUT_NORM = (T("output_norm.weight", "norm", "n_embd"),)
+OUTPUT_NORM_BIAS = (T("output_norm.bias", "bias", "n_embd"),)
+OUTPUT = optional(T("output.weight", "linear", "n_vocab", "n_embd"))  # absent: tied to token_embd
+POSITION_EMBD = (T("position_embd.weight", "position_embedding", "n_ctx", "n_embd"),)
+ROPE_FREQS = optional(T("rope_freqs.weight", "rope_factors", "rope_half"))  # llama3 frequency divisors
+ROPE_FACTORS = optional(
+    T("rope_factors_long.weight", "rope_factors", "rope_half"),
+    T("rope_factors_short.weight", "rope_factors", "rope_half"),
+)
+
+ATTN_NORM = (T(_blk("attn_norm.weight"), "norm", "n_embd"),)
+ATTN_NORM_BIAS = (T(_blk("attn_norm.bias"), "bias", "n_embd"),)
+FFN_NORM = (T(_blk("ffn_norm.weight"), "norm", "n_embd"),)
+FFN_NORM_BIAS = (T(_blk("ffn_norm.bias"), "bias", "n_embd"),)
+ATTN_POST_NORM = (T(_blk("post_attention_norm.weight"), "norm", "n_embd"),)
+FFN_POST_NORM = (T(_blk("post_ffw_norm.weight"), "norm", "n_embd"),)
+
+ATTN_QKV_SPLIT = (
+    T(_blk("attn_q.weight"), "linear", "n_q", "n_embd"),
+    T(_blk("attn_k.weight"), "linear", "n_kv", "n_embd"),
+    T(_blk("attn_v.weight"), "linear", "n_kv", "n_embd"),
+)
+ATTN_QKV_BIAS = (
+    T(_blk("attn_q.bias"), "bias", "n_q"),
+    T(_blk("attn_k.bias"), "bias", "n_kv"),
+    T(_blk("attn_v.bias"), "bias", "n_kv"),
+)
+ATTN_QKV_FUSED = (T(_blk("attn_qkv.weight"), "linear", "n_qkv", "n_embd"),)
+ATTN_QKV_FUSED_BIAS = (T(_blk("attn_qkv.bias"), "bias", "n_qkv"),)
+ATTN_OUT = (T(_blk("attn_output.weight"), "linear", "n_embd", "n_q"),)
+ATTN_OUT_BIAS = (T(_blk("attn_output.bias"), "bias", "n_embd"),)
+# q/k norms: over each head (one weight shared by the heads), or over the whole projection
+QK_NORM_HEAD = (T(_blk("attn_q_norm.weight"), "norm", "head_dim"), T(_blk("attn_k_norm.weight"), "norm", "head_dim"))
+QK_NORM_FULL = (T(_blk("attn_q_norm.weight"), "norm", "n_q"), T(_blk("attn_k_norm.weight"), "norm", "n_kv"))
+
+FFN_GATED = (
+    T(_blk("ffn_gate.weight"), "linear", "n_ff", "n_embd"),
+    T(_blk("ffn_up.weight"), "linear", "n_ff", "n_embd"),
+    T(_blk("ffn_down.weight"), "linear", "n_embd", "n_ff"),
+)
+FFN_GATED_BIAS = (
+    T(_blk("ffn_gate.bias"), "bias", "n_ff"),
+    T(_blk("ffn_up.bias"), "bias", "n_ff"),
+    T(_blk("ffn_down.bias"), "bias", "n_embd"),
+)
+FFN_FUSED_GATED = (  # ffn_up holds [gate | up]
+    T(_blk("ffn_up.weight"), "linear", "n_ff2", "n_embd"),
+    T(_blk("ffn_down.weight"), "linear", "n_embd", "n_ff"),
+)
+FFN_PLAIN = (
+    T(_blk("ffn_up.weight"), "linear", "n_ff", "n_embd"),
+    T(_blk("ffn_down.weight"), "linear", "n_embd", "n_ff"),
+)
+FFN_PLAIN_BIAS = (T(_blk("ffn_up.bias"), "bias", "n_ff"), T(_blk("ffn_down.bias"), "bias", "n_embd"))
+
+# The llama block: what most families start from.
+LLAMA = TOKEN_EMBD + OUTPUT_NORM + OUTPUT + ATTN_NORM + ATTN_QKV_SPLIT + ATTN_OUT + FFN_NORM + FFN_GATED
