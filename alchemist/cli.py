@@ -58,7 +58,7 @@ def describe_components(ir) -> list[str]:
         f"attention     {att.n_head} query heads, {att.n_kv_head} KV heads, head size {att.head_dim}, "
         f"scale {att.score_scale:.6g}" + "".join(f", {e}" for e in extras if e),
         f"mlp           {mlp.kind.value}, {mlp.activation.value}, ffn {mlp.n_ff}" + (", biases" if mlp.up_bias else ""),
-        f"rope          {rope.style.value if all(rotating) else f'{sum(rotating)} of {ir.n_layer} layers'}, "
+        f"rope          {rope.style.value if all(rotating) or not any(rotating) else f'{sum(rotating)} of {ir.n_layer} layers'}, "
         f"dims {rope.dim}, scaling {rope.scaling.value}, bases {sorted({x.attention.rope.base for x in ir.layers})}",
         f"windows       {windows} (0 = global)",
         f"embedding     scale {ir.embedding.scale:g}" + (", learned positions" if ir.embedding.positions else ""),
@@ -135,7 +135,10 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_fixture(args) -> int:
-    from alchemist.fixtures import write_fixture
+    from alchemist.fixtures import FIXTURES, write_fixture
+
+    if args.arch not in FIXTURES:
+        raise AlchemistError(f"--arch {args.arch!r}: no such fixture (choose from {', '.join(FIXTURES)})")
 
     if args.quant in ("F32", "F16"):
         write_fixture(args.output, args.arch, weight_type=args.quant)
@@ -152,6 +155,36 @@ def _cmd_fixture(args) -> int:
             tmp.unlink(missing_ok=True)
     print(f"wrote {args.output}")
     return 0
+
+
+def _cmd_families(args) -> int:
+    from alchemist.fixtures import FIXTURES
+
+    if not args.validate:
+        from alchemist.arch import build_model_ir
+        from alchemist.fixtures import write_fixture
+        from alchemist.gguf_io import read_gguf
+        from alchemist.harness.families import quirks
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for case in FIXTURES:
+                ir = build_model_ir(read_gguf(write_fixture(Path(tmp) / "f.gguf", case)))
+                print(f"{case:20} {', '.join(quirks(ir))}")
+        return 0
+    from alchemist.harness.families import validate_families, write_results
+    from alchemist.runtime.backends import BACKENDS
+
+    cases = args.cases.split(",") if args.cases else list(FIXTURES)
+    unknown = [c for c in cases if c not in FIXTURES]
+    if unknown:
+        raise AlchemistError(f"--cases: no such fixture {unknown} (choose from {', '.join(FIXTURES)})")
+    backends = list(BACKENDS) if args.backend == "all" else args.backend.split(",")
+    rows = validate_families(cases, backends, args.types.split(","), args.workdir, n_generate=args.generate)
+    write_results(rows, Path(args.output), Path(args.readme) if args.readme else None)
+    n_failed = sum(1 for r in rows if "passed" in r and not r["passed"])
+    print(f"{len(rows) - len(cases) - n_failed} passed, {n_failed} failed; results: {args.output}")
+    return 0 if n_failed == 0 else 1
 
 
 def _prompt_ids(args) -> list[int]:
@@ -247,10 +280,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_run)
 
     p = sub.add_parser("fixture", help="write a tiny random-weight GGUF for tests")
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "gemma3"])
+    p.add_argument("--arch", required=True, help="a family (llama, gemma2, phi3, ...) or <family>:<variant>")
     p.add_argument("--quant", default="F32", help="F32, F16, or a llama.cpp type such as Q8_0, Q4_K")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(fn=_cmd_fixture)
+
+    p = sub.add_parser("families", help="list the supported families; --validate runs every fixture against llama.cpp")
+    p.add_argument("--validate", action="store_true", help="validate each family's fixture (minutes per family)")
+    p.add_argument("--cases", help="comma-separated fixtures (default: all; see `alchemist families`)")
+    p.add_argument("--backend", default="all", help="all, or a comma-separated list of c,numba,jax,mlx")
+    p.add_argument("--types", default="F32,Q8_0,Q4_K", help="weight types (default F32,Q8_0,Q4_K)")
+    p.add_argument("--generate", type=int, default=32, help="greedy tokens checked per run")
+    p.add_argument("--workdir", default="validation/families", help="where the fixture files go")
+    p.add_argument("-o", "--output", default="docs/architectures.json", help="the results (JSON)")
+    p.add_argument("--readme", default=None, help="also rewrite the architecture table in this README")
+    p.set_defaults(fn=_cmd_families)
 
     p = sub.add_parser("validate", help="check the generated model against llama.cpp (JSON + markdown report)")
     p.add_argument("model", help=MODEL_HELP)

@@ -19,13 +19,29 @@ from alchemist.arch.table import Dims
 from alchemist.tokenizer.tokenizer import BYTE_TO_UNICODE
 
 FAMILIES = tuple(_FAMILIES)  # every family has a fixture: the tuple tests parametrize over
+# every fixture: each family's, and its variants as "<family>:<variant>"
+FIXTURES = FAMILIES + tuple(f"{name}:{v}" for name, fam in _FAMILIES.items() for v, _ in fam.fixture.variants)
+
+
+def fixture_spec(case: str):
+    """(family, FixtureSpec) for "llama" or "stablelm:parallel"."""
+    arch, _, variant = case.partition(":")
+    if arch not in _FAMILIES:
+        raise ValueError(f"unknown fixture architecture {arch!r} (choose from {', '.join(FIXTURES)})")
+    family = _FAMILIES[arch]
+    if not variant:
+        return family, family.fixture
+    variants = dict(family.fixture.variants)
+    if variant not in variants:
+        raise ValueError(f"{arch} has no fixture variant {variant!r} (choose from {', '.join(FIXTURES)})")
+    return family, variants[variant]
 
 @dataclass(frozen=True)
 class FixtureConfig:
     arch: str
     n_vocab: int = 512
     n_embd: int = 256
-    n_layer: int = 2
+    n_layer: int | None = None  # default: the family's FixtureSpec.n_layer
     n_head: int = 4
     n_kv_head: int = 2
     head_dim: int = 64
@@ -90,17 +106,17 @@ def _metadata_value(w: gguf.GGUFWriter, key: str, value) -> None:
 
 
 def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config: FixtureConfig | None = None) -> Path:
-    """Write a random-weight GGUF for `arch` with 2-D weights stored as `weight_type` ("F32" or "F16").
+    """Write a random-weight GGUF for `arch` (a family, or "<family>:<variant>") with 2-D weights stored as
+    `weight_type` ("F32" or "F16").
 
     The tensors are the family's table (its required tensors and the optional ones its FixtureSpec names),
     with the shapes the table gives for this config's hyperparameters."""
-    if arch not in FAMILIES:
-        raise ValueError(f"unknown fixture architecture {arch!r} (choose from {', '.join(FAMILIES)})")
+    family, spec = fixture_spec(arch)
+    arch = family.name
     if weight_type not in ("F32", "F16"):
         raise ValueError("write_fixture stores F32 or F16; use quantize_fixture for quantized types")
-    family = _FAMILIES[arch]
-    spec = family.fixture
     cfg = config or FixtureConfig(arch=arch)
+    n_layer = cfg.n_layer or spec.n_layer
     rng = np.random.default_rng(cfg.seed)
     dims = Dims(
         n_vocab=cfg.n_vocab,
@@ -109,7 +125,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         n_kv_head=cfg.n_kv_head,
         head_dim=cfg.head_dim,
         n_ff=cfg.n_ff,
-        rope_dim=cfg.rope_dim or cfg.head_dim,
+        rope_dim=cfg.rope_dim or spec.rope_dim or cfg.head_dim,
         n_ctx=cfg.n_ctx,
     )
     path = Path(path)
@@ -117,7 +133,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     w.add_name(f"alchemist tiny {arch} fixture")
     w.add_context_length(cfg.n_ctx)
     w.add_embedding_length(cfg.n_embd)
-    w.add_block_count(cfg.n_layer)
+    w.add_block_count(n_layer)
     w.add_feed_forward_length(cfg.n_ff)
     w.add_head_count(cfg.n_head)
     w.add_head_count_kv(cfg.n_kv_head)
@@ -158,7 +174,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     wanted = [t for t in family.tensors if t.required or t.name in spec.optional]
     for t in (t for t in wanted if not t.per_layer):
         w.add_tensor(t.name, values(t.name, t.role, dims.resolve(t.shape)))
-    for il in range(cfg.n_layer):
+    for il in range(n_layer):
         for t in (t for t in wanted if t.per_layer):
             name = t.name.format(il=il)
             w.add_tensor(name, values(name, t.role, dims.resolve(t.shape)))

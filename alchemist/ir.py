@@ -93,11 +93,12 @@ class RopeSpec:
     freq_scale: float  # 1 / linear (or YaRN) scaling factor
     scaling: RopeScaling = RopeScaling.NONE
     freq_factors: str | None = None  # rope_freqs.weight (llama3) / rope_factors_long.weight (longrope)
+    freq_factors_short: str | None = None  # longrope: rope_factors_short.weight, used up to n_ctx_orig
     attn_factor: float = 1.0  # multiplies cos and sin (YaRN's and LongRoPE's magnitude correction)
     ext_factor: float = 0.0  # YaRN: how much of the extrapolated angle to mix in
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    n_ctx_orig: int = 0  # YaRN: the context the model was trained for
+    n_ctx_orig: int = 0  # YaRN, LongRoPE: the context the model was originally trained for
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def test_fixture_ir_per_family(tiny_gguf, arch, style, tied, qk_norm, bias, wind
     cfg = FixtureConfig(arch=arch)
     ir = build_model_ir(read_gguf(tiny_gguf(arch)))
     att = ir.layers[0].attention
-    assert (ir.architecture, ir.n_layer, ir.n_embd, ir.n_vocab) == (arch, cfg.n_layer, cfg.n_embd, cfg.n_vocab)
+    assert (ir.architecture, ir.n_layer, ir.n_embd, ir.n_vocab) == (arch, 2, cfg.n_embd, cfg.n_vocab)
     assert (att.n_head, att.n_kv_head, att.head_dim, ir.layers[0].mlp.n_ff) == (4, 2, 64, cfg.n_ff)
     assert att.rope.style is style and ir.output.tied is tied
     assert (att.q_norm is not None) is qk_norm and (att.q_bias is not None) is bias

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from alchemist.fixtures import FAMILIES, write_fixture  # noqa: E402
+from alchemist.fixtures import FAMILIES, FIXTURES, write_fixture  # noqa: E402
 from alchemist.harness import FIXTURE_QTYPES, LlamaCppOracle, quantize_fixture  # noqa: E402
 from alchemist.harness.validate import (  # noqa: E402
     THRESHOLDS,
@@ -20,12 +20,17 @@ from alchemist.harness.validate import (  # noqa: E402
     validate_backend,
     validate_model,
 )
-from alchemist.runtime.backends import BACKENDS, uses_quantized_kernels  # noqa: E402
 from alchemist.runtime.engine import Engine  # noqa: E402
 
-WEIGHT_TYPES = ("F32", "F16", *FIXTURE_QTYPES)
-PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
-CONTEXT = 64
+# Every family's fixture (and every variant: RoPE scalings, parallel/sequential, ...) against llama.cpp at the
+# bar: F32 exact (logits and every layer output, then 32 greedy steps through the KV cache), Q8_0 and Q4_K by
+# KL / Pearson / top-1 at every prompt position. C runs every fixture, Numba every family; the quantized
+# files run as float32 weights through the same compiled engine (the kernels' exactness per type is
+# tests/test_kernels.py's job, and test_kernels_path below runs Q4_K through them). JAX and MLX, and the other
+# weight types, run on the four llama-like families; `alchemist families --validate` runs the whole matrix.
+FAMILY_TYPES = ("F32", "Q8_0", "Q4_K")
+OTHER_TYPES = tuple(t for t in ("F16", *FIXTURE_QTYPES) if t not in FAMILY_TYPES)
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def test_thresholds_are_the_documented_bar():
@@ -46,11 +51,12 @@ def fixture_files(tmp_path_factory):
 
     def get(arch, wtype):
         if (arch, wtype) not in cache:
+            stem = arch.replace(":", "_")
             if wtype in ("F32", "F16"):
-                cache[arch, wtype] = write_fixture(root / f"{arch}-{wtype}.gguf", arch, weight_type=wtype)
+                cache[arch, wtype] = write_fixture(root / f"{stem}-{wtype}.gguf", arch, weight_type=wtype)
             else:
                 src = get(arch, "F32")
-                dst = root / f"{arch}-{wtype}.gguf"
+                dst = root / f"{stem}-{wtype}.gguf"
                 quantize_fixture(src, dst, wtype, nthread=1)
                 cache[arch, wtype] = dst
         return cache[arch, wtype]
@@ -64,37 +70,70 @@ def shared_engines():
     return {}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_fixture_matrix(fixture_files, shared_engines, arch, backend):
+def _validate_types(fixture_files, shared_engines, case, backend, wtypes, n_gen_for, kernels_for=lambda w: False):
     results = {}
-    for wtype in WEIGHT_TYPES:
-        path = fixture_files(arch, wtype)
+    for wtype in wtypes:
+        path = fixture_files(case, wtype)
         loaded = load_for_validation(str(path))
-        # float32 weights share one engine per backend; C/Numba also run Q4_K through the quantized kernels
-        # (their exactness per type is tests/test_kernels.py's job; each kernel type compiles its own graph)
-        kernels = uses_quantized_kernels(backend) and wtype == "Q4_K"
-        key = (arch, backend, wtype if kernels else "float32")
+        kernels = kernels_for(wtype)
+        key = (case, backend, wtype if kernels else "float32")
         if key not in shared_engines:
             shared_engines[key] = Engine(loaded.module, loaded.weights_for(backend, kernels), backend, CONTEXT)
         with LlamaCppOracle(str(path), n_ctx=CONTEXT, n_threads=1) as oracle:
-            # every backend checks greedy generation on F32 and one quantized type; the C backend on all types
-            n_gen = 32 if (backend == "c" or wtype in ("F32", "Q4_K")) else 0
-            res = validate_backend(loaded, backend, oracle, PROMPT, n_gen, CONTEXT, engine=shared_engines[key],
-                                   quantized=kernels)
+            res = validate_backend(loaded, backend, oracle, PROMPT, n_gen_for(wtype), CONTEXT,
+                                   engine=shared_engines[key], quantized=kernels)
         results[wtype] = res
     failed = {w: r["failures"] for w, r in results.items() if not r["passed"]}
     assert not failed, failed
-    # the exact fixtures really were compared layer by layer
-    assert results["F32"]["layers"]["n_compared"] >= 2 * 9 and results["F32"]["layers"]["max_nmse"] <= 1e-6
-    assert results["F32"]["greedy"]["n_agree"] == 32
-    # quantized weights really ran through the kernels on C/Numba (and as float32 on JAX/MLX)
-    assert results["Q4_K"]["quantized_kernels"] == uses_quantized_kernels(backend)
-    assert not results["F16"]["quantized_kernels"]
     # engines are reused: compiled once per shape, not once per file
     for key, engine in shared_engines.items():
-        if key[:2] == (arch, backend):
+        if key[:2] == (case, backend):
             assert engine.stats.compile_count <= 4, key
+    return results
+
+
+def _check_family(fixture_files, shared_engines, case, backend):
+    results = _validate_types(fixture_files, shared_engines, case, backend, FAMILY_TYPES,
+                              lambda wtype: 32 if wtype == "F32" else 0)
+    # the exact fixture really was compared layer by layer (every layer's output included) and decoded
+    layers = results["F32"]["layers"]
+    assert layers["n_compared"] >= 2 * 4 and layers["max_nmse"] <= 1e-6, layers
+    assert results["F32"]["greedy"]["n_agree"] == 32
+    assert not results["Q4_K"]["quantized_kernels"]
+
+
+@pytest.mark.parametrize("case", FIXTURES)
+def test_family_fixture_c(fixture_files, shared_engines, case):
+    _check_family(fixture_files, shared_engines, case, "c")
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_family_fixture_numba(fixture_files, shared_engines, case):
+    _check_family(fixture_files, shared_engines, case, "numba")
+
+
+@pytest.mark.parametrize("backend", ("c", "numba"))
+@pytest.mark.parametrize("case", ("llama", "gemma3", "phi3", "gpt2"))
+def test_kernels_path(fixture_files, shared_engines, case, backend):
+    """Q4_K weights kept in GGUF blocks and multiplied by the quantized kernels (fused qkv, fused gate+up and
+    learned positions included)."""
+    results = _validate_types(fixture_files, shared_engines, case, backend, ("Q4_K",), lambda wtype: 32,
+                              kernels_for=lambda wtype: True)
+    assert results["Q4_K"]["quantized_kernels"]
+
+
+@pytest.mark.parametrize("backend", ("jax", "mlx"))
+@pytest.mark.parametrize("case", LLAMA_LIKE)
+def test_family_fixture_static_backends(fixture_files, shared_engines, case, backend):
+    results = _validate_types(fixture_files, shared_engines, case, backend, ("F32", "Q4_K"), lambda wtype: 32)
+    assert results["F32"]["layers"]["max_nmse"] <= 1e-6
+    assert not results["Q4_K"]["quantized_kernels"]  # JAX and MLX multiply float32 weights
+
+
+@pytest.mark.parametrize("case", LLAMA_LIKE)
+def test_other_weight_types_on_c(fixture_files, shared_engines, case):
+    results = _validate_types(fixture_files, shared_engines, case, "c", OTHER_TYPES, lambda wtype: 32)
+    assert not results["F16"]["quantized_kernels"]
 
 
 def test_validate_model_writes_reports_and_fails_honestly(fixture_files, tmp_path):

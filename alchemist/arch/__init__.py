@@ -3,14 +3,53 @@
 
 from __future__ import annotations
 
-from alchemist.arch import gemma3, llama, qwen2, qwen3
+from alchemist.arch import (
+    cohere2,
+    command_r,
+    exaone,
+    exaone4,
+    gemma,
+    gemma2,
+    gemma3,
+    gpt2,
+    granite,
+    internlm2,
+    llama,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    smollm3,
+    stablelm,
+    starcoder2,
+)
 from alchemist.arch.build import build_ir
 from alchemist.arch.family import Family
 from alchemist.errors import UnsupportedModelError
 from alchemist.gguf_io import GGUFFacts
 from alchemist.ir import ModelIR
 
-FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in (llama, qwen2, qwen3, gemma3)}
+FAMILY_MODULES = (
+    llama,
+    qwen2,
+    qwen3,
+    gemma3,
+    gemma,
+    gemma2,
+    phi3,
+    granite,
+    olmo2,
+    smollm3,
+    starcoder2,
+    gpt2,
+    stablelm,
+    internlm2,
+    exaone,
+    exaone4,
+    command_r,
+    cohere2,
+)
+FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 
 
 def build_model_ir(facts: GGUFFacts) -> ModelIR:

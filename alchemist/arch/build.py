@@ -109,32 +109,44 @@ def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int,
 
 
 def rope_scaling(facts: GGUFFacts, hp: Hparams, family: Family, bound: set[str], dims: Dims) -> dict:
-    """RopeSpec fields shared by every layer: the scaling kind and its numbers (llama.cpp's llama_hparams and
-    cparams defaults)."""
+    """RopeSpec fields shared by every layer: the scaling kind and its numbers, as llama.cpp's load_hparams and
+    llama_context set them (scaling type "linear" by default; type "none" never scales; YaRN mixes in the
+    extrapolated angle with ext_factor 1 and corrects the magnitude by 1 + 0.1 ln(factor))."""
     factor = hp.float("rope.scaling.factor", default=0.0) or hp.float("rope.scale_linear", default=0.0)
-    kind = hp.str("rope.scaling.type", default="linear" if factor else "none")
+    kind = hp.str("rope.scaling.type", default="linear")
     if kind not in family.rope_scalings:
         raise UnsupportedModelError(
             f"{facts.path}: {family.name}.rope.scaling.type {kind!r} is not supported "
             f"(supported: {', '.join(family.rope_scalings)})"
         )
-    freq_scale = 1.0 / factor if factor else 1.0
+    freq_scale = 1.0 / factor if factor and kind != "none" else 1.0
     if not (math.isfinite(freq_scale) and freq_scale > 0):
         raise GGUFError(facts.path, f"{family.name}.rope.scaling.factor", f"invalid factor {factor}")
-    fields = dict(freq_scale=freq_scale, scaling=RopeScaling.LINEAR if factor else RopeScaling.NONE)
+    attn_factor = hp.float("rope.scaling.attn_factor", default=1.0, positive=True)
+    fields = dict(freq_scale=freq_scale, scaling=RopeScaling.LINEAR if freq_scale != 1.0 else RopeScaling.NONE)
     if "rope_freqs.weight" in bound:
         fields.update(scaling=RopeScaling.LLAMA3, freq_factors="rope_freqs.weight")
     if kind == "yarn":
-        n_ctx_orig = hp.int("rope.scaling.original_context_length", default=dims.n_ctx, minimum=1)
-        # llama.cpp: yarn_ext_factor defaults to 1 for YaRN; the magnitude factor is 1 + 0.1 ln(1/freq_scale)
-        # (applied inside ggml's rope from ext_factor) times rope.scaling.yarn_attn_factor (default 1)
+        # llama_context: yarn_attn_factor = mscale(factor) / (1 + 0.1 ln factor) · attn_factor, and ggml's
+        # rope multiplies by 1 + 0.1 ln(1/freq_scale) again: the net magnitude is mscale(factor) · attn_factor
+        mscale = 1.0 + 0.1 * math.log(1.0 / freq_scale) if freq_scale < 1.0 else 1.0
         fields.update(
             scaling=RopeScaling.YARN,
-            ext_factor=hp.float("rope.scaling.yarn_ext_factor", default=1.0),
-            attn_factor=hp.float("rope.scaling.yarn_attn_factor", default=1.0, positive=True),
-            beta_fast=hp.float("rope.scaling.yarn_beta_fast", default=32.0),
-            beta_slow=hp.float("rope.scaling.yarn_beta_slow", default=1.0),
-            n_ctx_orig=n_ctx_orig,
+            ext_factor=1.0,
+            attn_factor=mscale * attn_factor,
+            beta_fast=32.0,  # llama_hparams' defaults; only a few families (not these) read them from metadata
+            beta_slow=1.0,
+            n_ctx_orig=hp.int("rope.scaling.original_context_length", default=dims.n_ctx, minimum=1),
+        )
+    elif kind == "longrope":
+        if not {"rope_factors_long.weight", "rope_factors_short.weight"} <= bound:
+            raise UnsupportedModelError(f"{facts.path}: longrope scaling needs rope_factors_long and _short")
+        fields.update(
+            scaling=RopeScaling.LONGROPE,
+            attn_factor=attn_factor,
+            freq_factors="rope_factors_long.weight",
+            freq_factors_short="rope_factors_short.weight",
+            n_ctx_orig=hp.int("rope.scaling.original_context_length", default=dims.n_ctx, minimum=1),
         )
     return fields
 
@@ -161,7 +173,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     rope_fields = rope_scaling(facts, hp, family, bound, dims)
     rope_base = hp.float("rope.freq_base", default=10000.0, positive=True)
     sliding = family.sliding_layers(hp, n_layer) if family.sliding_layers else [False] * n_layer
-    window = hp.int("attention.sliding_window", default=0) if any(sliding) else 0
+    window = hp.int("attention.sliding_window", default=family.default_window) if any(sliding) else 0
     sliding = [s and window > 0 for s in sliding]
     swa_rope = family.swa_rope(hp, rope_base, rope_fields["freq_scale"]) if family.swa_rope else None
     score_scale = family.score_scale(hp, dims.head_dim)

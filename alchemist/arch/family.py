@@ -91,8 +91,9 @@ class Hparams:
         return [bool(x) for x in raw.tolist()]
 
 
-def every_nth_dense(default_pattern: int) -> Callable[[Hparams, int], list[bool]]:
-    """llama.cpp's set_swa_pattern(n): layer il slides when il % n < n - 1 (the last of every n is global).
+def every_nth_dense(default_pattern: int, dense_first: bool = False) -> Callable[[Hparams, int], list[bool]]:
+    """llama.cpp's load_swa_pattern(n, dense_first): layer il slides when il % n < n - 1 (the last of every n
+    is global), or with dense_first when il % n != 0 (the first of every n is global).
     `attention.sliding_window_pattern` overrides n, or gives the per-layer flags as an array."""
 
     def pattern(hp: Hparams, n_layer: int) -> list[bool]:
@@ -100,15 +101,21 @@ def every_nth_dense(default_pattern: int) -> Callable[[Hparams, int], list[bool]
         if flags is not None:
             return flags
         n = hp.int("attention.sliding_window_pattern", default=default_pattern)
+        if dense_first:
+            return [n == 0 or il % n != 0 for il in range(n_layer)]
         return [n == 0 or il % n < n - 1 for il in range(n_layer)]
 
     return pattern
 
 
 def inverse_sqrt_head_dim(hp: Hparams, head_dim: int) -> float:
-    """llama.cpp's default kq_scale, 1/sqrt(head_dim), unless `attention.scale` is set."""
-    scale = hp.float("attention.scale", default=0.0)
-    return scale if scale else 1.0 / math.sqrt(head_dim)
+    """llama.cpp's default kq_scale, 1/sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def attention_scale_key(hp: Hparams, head_dim: int) -> float:
+    """`attention.scale` when it is set and non-zero, else 1/sqrt(head_dim) (the granite families)."""
+    return hp.float("attention.scale", default=0.0) or 1.0 / math.sqrt(head_dim)
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,10 @@ class FixtureSpec:
     metadata: tuple[tuple[str, object], ...] = ()  # extra `<arch>.<key>` values (int -> uint32, float -> float32)
     optional: tuple[str, ...] = ()  # optional tensors (table names) to include, e.g. "output.weight"
     embedding_std: float = 1.0  # spread of the random token embedding
+    n_layer: int = 2  # more when the family's layers differ by index (e.g. RoPE on 3 of every 4)
+    rope_dim: int | None = None  # partial rotary: fewer than the head's 64 dims
+    # other shapes of the same family worth their own fixture: (name, FixtureSpec), written as "<family>:<name>"
+    variants: tuple[tuple[str, "FixtureSpec"], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,7 @@ class Family:
     final_softcap: Callable[[Hparams], float] = lambda hp: 0.0
     # sliding-window attention: (hp, n_layer) -> which layers slide (window: attention.sliding_window)
     sliding_layers: Callable[[Hparams, int], list[bool]] | None = None
+    default_window: int = 0  # attention.sliding_window when the key is absent (0: no sliding window)
     # (hp, base, freq_scale) -> the sliding layers' (base, freq_scale); default: the same as every layer's
     swa_rope: Callable[[Hparams, float, float], tuple[float, float]] | None = None
     # (hp, il, sliding) -> whether layer il applies RoPE (smollm3, cohere2 skip it on some layers)

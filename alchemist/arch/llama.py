@@ -15,5 +15,12 @@ FAMILY = Family(
     rope=RopeStyle.NORM,
     activation=Activation.SILU,
     rope_scalings=("none", "linear", "llama3", "yarn"),
-    fixture=FixtureSpec(vocab="spm"),
+    fixture=FixtureSpec(
+        vocab="spm",
+        variants=(
+            # llama3: per-frequency divisors in rope_freqs.weight
+            ("llama3", FixtureSpec(vocab="spm", optional=("rope_freqs.weight",))),
+            ("linear", FixtureSpec(vocab="spm", metadata=(("rope.scaling.type", "linear"), ("rope.scaling.factor", 4.0)))),
+        ),
+    ),
 )

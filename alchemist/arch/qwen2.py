@@ -9,5 +9,21 @@ FAMILY = Family(
     tensors=LLAMA + ATTN_QKV_BIAS,
     rope=RopeStyle.NEOX,
     activation=Activation.SILU,
-    fixture=FixtureSpec(optional=("output.weight",)),
+    fixture=FixtureSpec(
+        optional=("output.weight",),
+        variants=(
+            # YaRN with a short original context, so the 64-token tests reach the interpolated frequencies
+            (
+                "yarn",
+                FixtureSpec(
+                    optional=("output.weight",),
+                    metadata=(
+                        ("rope.scaling.type", "yarn"),
+                        ("rope.scaling.factor", 4.0),
+                        ("rope.scaling.original_context_length", 32),
+                    ),
+                ),
+            ),
+        ),
+    ),
 )

@@ -22,7 +22,7 @@ from alchemist.errors import UnsupportedModelError
 from alchemist.ir import Activation, LayerSpec, MLPKind, ModelIR, RopeScaling, RopeStyle, Wiring
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent.parent / "templates"
-IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+IDENTIFIER = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")  # a family name: letters, digits, _ and -
 BLACK_MODE = black.Mode(line_length=120, target_versions={black.TargetVersion.PY312})
 
 
@@ -97,8 +97,10 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append(f"RoPE scaling {att.rope.scaling.value!r}")
     if (att.rope.freq_factors is not None) != (att.rope.scaling in (RopeScaling.LLAMA3, RopeScaling.LONGROPE)):
         problems.append("RoPE frequency factors without a scaling kind that reads them")
-    if att.rope.ext_factor or att.rope.attn_factor != 1.0:
-        problems.append("RoPE magnitude/extrapolation factors")
+    if (att.rope.freq_factors_short is not None) != (att.rope.scaling is RopeScaling.LONGROPE):
+        problems.append("short RoPE factors outside LongRoPE")
+    if att.rope.ext_factor and att.rope.scaling is not RopeScaling.YARN:
+        problems.append("a RoPE extrapolation factor outside YaRN")
     if bool(att.qkv) == bool(att.q or att.k or att.v) or not (att.qkv or (att.q and att.k and att.v)):
         problems.append("attention needs either a fused qkv projection or all of q, k and v")
     if att.qkv_bias and not att.qkv or (att.q_bias or att.k_bias or att.v_bias) and att.qkv:
@@ -115,7 +117,7 @@ def check_renderable(ir: ModelIR) -> None:
         raise UnsupportedModelError(f"{ir.source_file}: the templates cannot render " + "; ".join(problems))
 
 
-RENDERABLE_ROPE_SCALING = (RopeScaling.NONE, RopeScaling.LINEAR, RopeScaling.LLAMA3)
+RENDERABLE_ROPE_SCALING = tuple(RopeScaling)
 
 
 def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
@@ -154,6 +156,15 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         rows.append(("ROPE_DIM", att.rope.dim, f"leading dims of each head that RoPE rotates ({style.value} style)"))
         rows.append(("ROPE_BASE", tuple(lay.attention.rope.base for lay in ir.layers), "per layer"))
         rows.append(("ROPE_FREQ_SCALE", tuple(lay.attention.rope.freq_scale for lay in ir.layers), "per layer"))
+        rope = att.rope
+        if rope.attn_factor != 1.0:
+            rows.append(("ROPE_ATTN_FACTOR", rope.attn_factor, "multiplies cos and sin (the magnitude correction)"))
+        if rope.scaling is RopeScaling.YARN:
+            rows.append(("YARN_EXT_FACTOR", rope.ext_factor, "how much of the extrapolated angle YaRN mixes in"))
+            rows.append(("YARN_BETA_FAST", rope.beta_fast, ""))
+            rows.append(("YARN_BETA_SLOW", rope.beta_slow, ""))
+        if rope.scaling in (RopeScaling.YARN, RopeScaling.LONGROPE):
+            rows.append(("ROPE_ORIG_CTX", rope.n_ctx_orig, "the context the model was originally trained for"))
         rotates = tuple(lay.attention.rope.style is not RopeStyle.NONE for lay in ir.layers)
         if not all(rotates):
             rows.append(("ROPE_LAYERS", rotates, "per layer: whether it applies RoPE"))
@@ -197,6 +208,8 @@ def template_context(ir: ModelIR) -> dict:
         rope_layers=any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.layers) and style is not RopeStyle.NONE,
         rope_factors=att.rope.freq_factors,
         rope_scaling=att.rope.scaling.value,
+        rope_factors_short=att.rope.freq_factors_short,
+        rope_attn_factor=att.rope.attn_factor,
         layer=first,
         att=att,
         mlp=first.mlp,

@@ -22,15 +22,13 @@ from alchemist.harness.metrics import (
     pearson,
     top2_gap,
 )
-from alchemist.harness.oracle import DEFAULT_LAYER_NAMES, LAYER_NAMES, LlamaCppOracle, layer_order
+from alchemist.harness.oracle import LlamaCppOracle
 from alchemist.harness.quantize import FIXTURE_QTYPES, QuantizeReport, ftype_for, quantize_fixture
 
 __all__ = [
-    "DEFAULT_LAYER_NAMES",
     "DivergenceReport",
     "FIXTURE_QTYPES",
     "GreedyAgreement",
-    "LAYER_NAMES",
     "LlamaCppOracle",
     "NEAR_TIE",
     "OracleError",
@@ -41,7 +39,6 @@ __all__ = [
     "ftype_for",
     "greedy_agreement",
     "kl_divergence",
-    "layer_order",
     "log_softmax",
     "nmse",
     "pearson",

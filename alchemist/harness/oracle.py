@@ -68,41 +68,9 @@ _AUTO_NAME = re.compile(r"( \(|^node_|^leaf_|^$)")
 # build_norm's internal "norm" / "norm-<il>" nodes share one name per layer (attention and FFN
 # norms alike), so what they hold is ambiguous: not captured unless asked for by name
 _AMBIGUOUS = {"norm"}
-# the per-layer tensors each family's graph names, in evaluation (dependency) order
-LAYER_NAMES = {
-    "llama": ("attn_norm", "Qcur", "Kcur", "Vcur", "kqv_out", "attn_out", "ffn_inp", "ffn_norm", "ffn_out", "l_out"),
-    "qwen2": ("attn_norm", "Qcur", "Kcur", "Vcur", "kqv_out", "ffn_inp", "ffn_norm", "ffn_out", "l_out"),
-    "qwen3": (
-        "attn_norm", "Qcur_normed", "Kcur_normed", "Qcur", "Kcur", "Vcur", "kqv_out",
-        "ffn_inp", "ffn_norm", "ffn_out", "l_out",
-    ),
-    "gemma3": (
-        "attn_norm", "Qcur_normed", "Kcur_normed", "Qcur", "Kcur", "Vcur", "kqv_out", "attn_post_norm",
-        "sa_out", "ffn_norm", "ffn_out", "ffn_post_norm", "l_out",
-    ),
-}  # fmt: skip
-DEFAULT_LAYER_NAMES = LAYER_NAMES["llama"]
-_PRELUDE = {"gemma3": ("inp_scaled",)}  # tensors before layer 0 (besides "embd")
-
-
 def _base_name(name: str) -> str:
     m = re.match(r"^(.*)-(\d+)$", name)
     return m.group(1) if m else name
-
-
-def layer_order(
-    n_layer: int,
-    names: Sequence[str] | None = None,
-    final: Sequence[str] = ("result_norm", "result_output"),
-    arch: str | None = None,
-) -> list[str]:
-    """Evaluation-ordered tensor names for `metrics.first_divergence`: `names` per layer
-    (default: `LAYER_NAMES[arch]`, else the llama list), then `final`."""
-    if names is None:
-        names = LAYER_NAMES.get(arch or "llama", DEFAULT_LAYER_NAMES)
-    out = ["embd", *_PRELUDE.get(arch or "", ())] if arch else []
-    out += [f"{n}-{il}" for il in range(n_layer) for n in names]
-    return out + list(final)
 
 
 class LlamaCppOracle:
@@ -213,9 +181,11 @@ class LlamaCppOracle:
         n = _llama.llc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
-    def layer_order(self, names: Sequence[str] | None = None) -> list[str]:
-        """`layer_order` for this model's architecture and layer count."""
-        return layer_order(self.n_layer, names, arch=self.arch)
+    def shared_intermediates(self, token_ids: Sequence[int], names: Iterable[str]) -> tuple[list[str], dict]:
+        """(order, tensors): llama.cpp's tensors among `names` (alchemist's taps use its `cb` names), in the
+        order its graph evaluated them; a name this family's graph does not have is left out."""
+        captured = self.intermediates(token_ids, list(names), missing_ok=True)
+        return [n for n in self.capture_order() if n in captured], captured
 
     def capture_order(self) -> list[str]:
         """Names of the last `intermediates` call, ordered by their final (kept) capture."""
@@ -347,11 +317,14 @@ class LlamaCppOracle:
 
     # ---------------------------------------------------------------- intermediates
 
-    def intermediates(self, token_ids: Sequence[int], names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    def intermediates(
+        self, token_ids: Sequence[int], names: Iterable[str] | None = None, missing_ok: bool = False
+    ) -> dict[str, np.ndarray]:
         """llama.cpp's named graph tensors for one fresh evaluation of `token_ids` (all in one ubatch).
 
         `names`: exact names (`"l_out-0"`) or fnmatch patterns (`"l_out-*"`); None captures every
-        node carrying a llama.cpp `cb` name. Returns numpy-order arrays (see module docstring).
+        node carrying a llama.cpp `cb` name. An exact name the graph does not evaluate raises, unless
+        missing_ok. Returns numpy-order arrays (see module docstring).
         Logits of every position are requested, so last-layer tensors have all n_tokens rows.
         """
         self._check_open()
@@ -415,7 +388,7 @@ class LlamaCppOracle:
         if errors:
             raise OracleError(f"graph callback failed: {errors[0]}")
         self.last_capture_log = log
-        if names is not None:
+        if names is not None and not missing_ok:
             missing = sorted(n for n in exact if n not in captured)
             if missing:
                 raise OracleError(

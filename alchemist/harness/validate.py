@@ -81,8 +81,7 @@ def layer_nmse(engine, oracle, prompt: list[int]) -> dict:
     """NMSE of every named intermediate we compute against llama.cpp's tensor of the same name."""
     names, fn = engine.taps_function(len(prompt))
     ours = dict(zip(names, (np.asarray(v) for v in fn(np.array(prompt, np.int64), np.int64(0), np.int64(len(prompt))))))
-    order = [n for n in oracle.layer_order() if n in ours]
-    theirs = oracle.intermediates(prompt, order)
+    order, theirs = oracle.shared_intermediates(prompt, ours)
     report = first_divergence(ours, theirs, order, tol=THRESHOLDS["exact_nmse"])
     per_tensor = {n: float(nmse(ours[n], theirs[n])) for n in order if n in theirs}
     return {"order": order, "nmse": per_tensor, "first_divergence": report.name, "divergent_nmse": report.nmse}
@@ -283,8 +282,7 @@ def diff_model(
     names, fn = engine.taps_function(len(prompt))
     ours = dict(zip(names, (np.asarray(v) for v in fn(np.array(prompt, np.int64), np.int64(0), np.int64(len(prompt))))))
     with LlamaCppOracle(path, n_ctx=max(context, len(prompt) + 1)) as oracle:
-        order = [n for n in oracle.layer_order() if n in ours]
-        theirs = oracle.intermediates(prompt, order)
+        order, theirs = oracle.shared_intermediates(prompt, ours)
     rows = [(n, float(nmse(ours[n], theirs[n]))) for n in order if n in theirs]
     first = next((n for n, v in rows if v > tol), None)
     return {"backend": backend, "tolerance": tol, "exact_weights": exact, "rows": rows, "first_divergence": first}
