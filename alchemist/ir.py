@@ -125,6 +125,7 @@ class AttentionSpec:
     k_norm: NormSpec | None = None
     qk_norm_scope: QKNormScope = QKNormScope.HEAD
     logit_softcap: float = 0.0  # scores = cap · tanh(scores / cap) before the mask (gemma2)
+    prescale_queries: bool = False  # q · score_scale after RoPE, then unscaled q·k (phi3 names that q "Qcur")
 
     @property
     def group_size(self) -> int:

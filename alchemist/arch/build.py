@@ -235,6 +235,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             k_norm=block_norm("attn_k_norm.weight"),
             qk_norm_scope=qk_scope,
             logit_softcap=family.attn_softcap(hp),
+            prescale_queries=family.prescale_queries,
         )
         layers.append(
             LayerSpec(

@@ -146,6 +146,7 @@ class Family:
     residual_scale: Callable[[Hparams], float] = lambda hp: 1.0
     logit_scale: Callable[[Hparams], float] = lambda hp: 1.0
     attn_softcap: Callable[[Hparams], float] = lambda hp: 0.0
+    prescale_queries: bool = False  # llama.cpp scales Qcur before attention (and names the result Qcur)
     final_softcap: Callable[[Hparams], float] = lambda hp: 0.0
     # sliding-window attention: (hp, n_layer) -> which layers slide (window: attention.sliding_window)
     sliding_layers: Callable[[Hparams, int], list[bool]] | None = None

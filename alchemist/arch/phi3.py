@@ -4,8 +4,8 @@ A fused [q | k | v] projection, a fused [gate | up] projection (SwiGLU: silu of 
 second), NEOX RoPE over `rope.dimension_count` dims, RMSNorm, and LongRoPE (`rope.scaling.type` longrope):
 each frequency divided by rope_factors_long when the context exceeds
 rope.scaling.original_context_length, else by rope_factors_short, with cos and sin times
-rope.scaling.attn_factor. Queries are scaled by 1/sqrt(head_dim); llama.cpp disables Phi's sliding
-window. The output is tied unless output.weight exists.
+rope.scaling.attn_factor. Queries are scaled by 1/sqrt(head_dim) after RoPE (llama.cpp names the scaled
+ones Qcur); llama.cpp disables Phi's sliding window. The output is tied unless output.weight exists.
 """
 
 from alchemist.arch.family import Family, FixtureSpec
@@ -31,6 +31,7 @@ FAMILY = Family(
     rope=RopeStyle.NEOX,
     activation=Activation.SILU,
     rope_scalings=("none", "linear", "longrope"),
+    prescale_queries=True,
     # LongRoPE with a 32-position original context, so the 64-position tests use the long factors; the
     # variant keeps the training context and uses the short ones. Partial rotary, as in Phi-4-mini.
     fixture=FixtureSpec(

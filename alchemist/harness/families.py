@@ -134,8 +134,21 @@ def validate_families(cases, backends, weight_types, workdir, n_generate: int = 
                         f"{case:20} {backend:6} {wtype:5} {'PASS' if row['passed'] else 'FAIL'} "
                         f"{'; '.join(row['failures'])} ({row['seconds']} s)"
                     )
-        rows.append({"case": case, "quirks": quirks(build_model_ir(read_gguf(f32)))})
+        ir = build_model_ir(read_gguf(f32))
+        rows.append({"case": case, "quirks": quirks(ir), "module_sha256": fixture_module_sha256(ir)})
     return rows
+
+
+def fixture_module_sha256(ir: ModelIR) -> str:
+    """sha256 of the module generated for a fixture's IR, minus its provenance block (file name, path-free):
+    the results in docs/architectures.json hold for exactly that code."""
+    import hashlib
+
+    from alchemist.codegen import render_module
+
+    source = render_module(ir)
+    equations = source[source.index("# Configuration") :]
+    return hashlib.sha256(equations.encode()).hexdigest()
 
 
 def architecture_markdown(rows: list[dict]) -> str:

@@ -1,0 +1,80 @@
+"""The family registry, the architecture table and its provenance (fast: no compilation, no oracle)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from alchemist.arch import FAMILIES as FAMILY_VALUES
+from alchemist.arch import build_model_ir
+from alchemist.codegen import render_module
+from alchemist.fixtures import FAMILIES, FIXTURES, fixture_spec, write_fixture
+from alchemist.gguf_io import read_gguf
+from alchemist.harness.families import TABLE_BEGIN, TABLE_END, architecture_markdown, fixture_module_sha256, quirks
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "docs" / "architectures.json"
+
+
+@pytest.fixture(scope="module")
+def fixture_irs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {case: build_model_ir(read_gguf(write_fixture(root / f"{case.replace(':', '_')}.gguf", case))) for case in FIXTURES}
+
+
+def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
+    wanted = {
+        "llama", "qwen2", "qwen3", "gemma3", "gemma", "gemma2", "phi3", "granite", "olmo2", "smollm3",
+        "starcoder2", "gpt2", "stablelm", "internlm2", "exaone", "exaone4", "command-r", "cohere2",
+    }  # fmt: skip
+    assert set(FAMILIES) == set(FAMILY_VALUES) == wanted
+    for case in FIXTURES:
+        family, spec = fixture_spec(case)
+        assert family.name == case.partition(":")[0]
+    with pytest.raises(ValueError, match="no fixture variant"):
+        fixture_spec("llama:nope")
+
+
+@pytest.mark.parametrize("kind", ["linear", "llama3", "yarn", "longrope"])
+def test_each_rope_scaling_kind_has_a_fixture(fixture_irs, kind):
+    assert any(ir.layers[0].attention.rope.scaling.value == kind for ir in fixture_irs.values())
+
+
+def test_fixture_modules_render_and_differ_by_component(fixture_irs):
+    sources = {case: render_module(ir) for case, ir in fixture_irs.items()}
+    for case, src in sources.items():
+        assert "gemma" not in src.split("# The model")[1].split("# Weights")[0].lower() or case.startswith("gemma")
+    assert "def layer_norm(" in sources["gpt2"] and "def rms_norm(" not in sources["gpt2"]
+    assert 'embed(w, "position_embd.weight", positions)' in sources["gpt2"] and "def rope(" not in sources["gpt2"]
+    assert "attn_out + ffn_out" in sources["command-r"]
+    assert "gate_up[:, :N_FF]" in sources["phi3"] and 'p + "attn_qkv.weight"' in sources["phi3"]
+    assert "ROPE_LAYERS = (True, True, True, False)" in sources["smollm3"]
+    assert "ROPE_LAYERS = (True, True, True, False)" in sources["cohere2"]
+    assert "ATTN_LOGIT_SOFTCAP" in sources["gemma2"] and "FINAL_LOGIT_SOFTCAP" in sources["gemma2"]
+    assert "def yarn_frequency_scale(" in sources["qwen2:yarn"]
+    assert 'w["rope_factors_long.weight"] if n_ctx > ROPE_ORIG_CTX' in sources["phi3"]
+
+
+def test_quirks_name_what_differs_from_llama(fixture_irs):
+    assert quirks(fixture_irs["llama"]) == ["NORM RoPE", "tied output"]
+    assert "learned positions" in quirks(fixture_irs["gpt2"]) and "no RoPE" in quirks(fixture_irs["gpt2"])
+    assert "parallel block" in quirks(fixture_irs["stablelm:parallel"])
+    assert "parallel block" not in quirks(fixture_irs["stablelm"])
+    assert "post-norm only" in quirks(fixture_irs["olmo2"])
+
+
+def test_readme_table_is_generated_from_current_results(fixture_irs):
+    """The README's architecture table is architecture_markdown(docs/architectures.json), and those results
+    were measured on exactly the modules the code generates today for every fixture."""
+    rows = json.loads(RESULTS.read_text())
+    recorded = {r["case"]: r for r in rows if "quirks" in r}
+    assert set(recorded) == set(FIXTURES), "run `alchemist families --validate --readme README.md`"
+    for case, ir in fixture_irs.items():
+        assert recorded[case]["module_sha256"] == fixture_module_sha256(ir), (
+            f"{case}: docs/architectures.json was measured on other code; rerun `alchemist families --validate`"
+        )
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index(TABLE_BEGIN) + len(TABLE_BEGIN) : readme.index(TABLE_END)].strip()
+    assert table == architecture_markdown(rows)
