@@ -156,13 +156,14 @@ def check_against_oracle(path: Path, facts) -> None:
 
 
 def check_ir(facts, ir) -> None:
-    assert math.isfinite(ir.rms_eps) and ir.rms_eps > 0
+    assert math.isfinite(ir.norm_eps) and ir.norm_eps > 0
     data_size = facts.file_size - facts.data_offset
     for b in ir.tensors:
         assert 0 <= b.offset and b.offset + b.nbytes <= data_size
     for layer in ir.layers:
-        assert math.isfinite(layer.attention.rope_base) and layer.attention.rope_base > 0
-        assert math.isfinite(layer.attention.rope_freq_scale) and layer.attention.rope_freq_scale > 0
+        assert math.isfinite(layer.attention.rope.base) and layer.attention.rope.base > 0
+        assert math.isfinite(layer.attention.rope.freq_scale) and layer.attention.rope.freq_scale > 0
+        assert math.isfinite(layer.attention.rope.attn_factor) and layer.attention.rope.attn_factor > 0
         assert math.isfinite(layer.attention.score_scale)
 
 

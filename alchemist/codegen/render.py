@@ -21,7 +21,11 @@ from alchemist import __version__
 from alchemist.errors import UnsupportedModelError
 from alchemist.ir import Activation, LayerSpec, MLPKind, ModelIR, RopeScaling, RopeStyle, Wiring
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent.parent / "templates"
+# An installed wheel ships the templates as alchemist/templates (see setup.py); a source checkout (editable
+# install) keeps the one copy in the top-level templates/ folder.
+TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
+if not TEMPLATES_DIR.is_dir():
+    TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
 IDENTIFIER = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")  # a family name: letters, digits, _ and -
 BLACK_MODE = black.Mode(line_length=120, target_versions={black.TargetVersion.PY312})
 
