@@ -50,6 +50,7 @@ class FixtureConfig:
     norm_eps: float = 1e-6
     rope_base: float = 10000.0
     rope_dim: int | None = None  # default: the whole head
+    metadata: tuple[tuple[str, object], ...] = ()  # `<arch>.<key>` values added to (or overriding) the family's
     seed: int = 0
 
 
@@ -144,7 +145,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     w.add_rope_freq_base(cfg.rope_base)
     w.add_rope_dimension_count(dims.rope_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if weight_type == "F32" else gguf.LlamaFileType.MOSTLY_F16)
-    for key, value in spec.metadata:
+    for key, value in dict(spec.metadata + cfg.metadata).items():
         _metadata_value(w, f"{arch}.{key}", value)
     _write_vocab(w, spec.vocab, cfg.n_vocab)
 

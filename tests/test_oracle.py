@@ -180,8 +180,14 @@ def test_logits_shape_determinism_causality(oracles, fam):
     # causal: later tokens change nothing (up to kernel choice for a different batch shape)
     assert np.abs(prefix - a[:5]).max() <= 1e-6 * scale
     one = o.logits(IDS[:1])  # a single-token batch takes llama.cpp's gemv path
-    assert np.abs(one[0] - a[0]).max() <= 1e-6 * scale
-    assert nmse(one[0], a[0]) < 1e-12
+    if fam == "gemma3":
+        # gemv and gemm round the last bit differently, and llama.cpp's GELU reads an fp16 table: on an AVX2
+        # CPU that flips one fp16 step for some activations (measured: NMSE 1e-13 before the first GELU,
+        # 1.5e-10 after layer 1); exact-rounding families stay at 1e-12
+        assert nmse(one[0], a[0]) < 1e-9
+    else:
+        assert np.abs(one[0] - a[0]).max() <= 1e-6 * scale
+        assert nmse(one[0], a[0]) < 1e-12
 
 
 @pytest.mark.oracle
@@ -231,8 +237,6 @@ def test_intermediates_shapes_and_result_output(oracles, fam):
     assert o.arch == fam
     order = o.capture_order()
     assert set(order) == set(t) and order[-1] == "result_output"  # every captured tensor, in evaluation order
-    shared_order, shared = o.shared_intermediates(IDS, ["l_out-1", "attn_norm-0", "no_such_tensor-0"])
-    assert shared_order == ["attn_norm-0", "l_out-1"] and set(shared) == {"attn_norm-0", "l_out-1"}
     ours = {k: v.reshape(len(IDS), -1) for k, v in t.items()}  # e.g. our (T, H*D) layout for Qcur
     assert not first_divergence(ours, t, order, tol=0.0)  # exact self-comparison through the layout change
     assert o.capture_order().index("l_out-0") < o.capture_order().index("l_out-1")
@@ -251,6 +255,9 @@ def test_intermediates_shapes_and_result_output(oracles, fam):
     s = o.intermediates(IDS[:1], names=["Qcur-1", "l_out-*"])
     assert set(s) == {"Qcur-1", "l_out-0", "l_out-1"}
     assert s["Qcur-1"].shape == (1, 4, 64) and s["l_out-1"].shape == (1, 256)
+    # the tensors of a list that this family's graph evaluates, in evaluation order; the others left out
+    shared_order, shared = o.shared_intermediates(IDS, ["l_out-1", "attn_norm-0", "no_such_tensor-0"])
+    assert shared_order == ["attn_norm-0", "l_out-1"] and set(shared) == {"attn_norm-0", "l_out-1"}
 
 
 @pytest.mark.oracle

@@ -75,7 +75,19 @@ def test_rms_norm_matches_numpy(tiny_module):
     x, w = pt.matrix("x", dtype="float32"), pt.vector("w", dtype="float32")
     fn = compile_c([x, w], mod.rms_norm(x, w))
     xv, wv = f32(5, 256), f32(256)
-    np.testing.assert_allclose(fn(xv, wv), np_rms_norm(xv, wv, mod.RMS_EPS), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(fn(xv, wv), np_rms_norm(xv, wv, mod.NORM_EPS), rtol=2e-5, atol=1e-6)
+
+
+def test_layer_norm_matches_numpy(tiny_module):
+    mod, _ = tiny_module("gpt2")
+    x = pt.matrix("x", dtype="float32")
+    w, b = pt.vector("w", dtype="float32"), pt.vector("b", dtype="float32")
+    fn = compile_c([x, w, b], mod.layer_norm(x, w, b))
+    xv, wv, bv = f32(5, 256) + 3.0, f32(256), f32(256)
+    mean = xv.astype(np.float64).mean(-1, keepdims=True)
+    var = ((xv - mean) ** 2).mean(-1, keepdims=True)
+    expected = (xv - mean) / np.sqrt(var + mod.NORM_EPS) * wv + bv
+    np.testing.assert_allclose(fn(xv, wv, bv), expected, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("arch, style", [("llama", "norm"), ("qwen2", "neox")])
@@ -117,7 +129,7 @@ def test_final_logit_softcap(tmp_path):
     from alchemist.runtime.api import write_generated
     from alchemist.runtime.engine import import_generated
 
-    cfg = FixtureConfig(arch="gemma3", final_logit_softcap=2.0)
+    cfg = FixtureConfig(arch="gemma3", metadata=(("final_logit_softcapping", 2.0),))
     path = write_fixture(tmp_path / "capped.gguf", "gemma3", config=cfg)
     mod = import_generated(write_generated(build_model_ir(read_gguf(path)), tmp_path))
     assert mod.FINAL_LOGIT_SOFTCAP == 2.0

@@ -212,6 +212,8 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         fields = dict(rope_fields, base=rope_base)
         if sliding[il] and swa_rope is not None:
             fields.update(base=swa_rope[0], freq_scale=swa_rope[1])
+        if sliding[il] and family.swa_plain_rope:
+            fields.update(scaling=RopeScaling.NONE, freq_factors=None, attn_factor=1.0, ext_factor=0.0)
         rope = RopeSpec(style=family.rope if rotates else RopeStyle.NONE, dim=dims.rope_dim, **fields)
         attention = AttentionSpec(
             n_head=dims.n_head,

@@ -74,6 +74,12 @@ class Hparams:
             raise GGUFError(self.facts.path, full, f"must be positive, got {v}")
         return v
 
+    def bool(self, key: str, default=REQUIRED) -> bool:
+        full, v = self._raw(key, default)
+        if not isinstance(v, (bool, np.bool_)):
+            raise GGUFError(self.facts.path, full, f"expected a boolean, got {type(v).__name__}")
+        return bool(v)
+
     def str(self, key: str, default=REQUIRED) -> str:
         full, v = self._raw(key, default)
         if not isinstance(v, str):
@@ -153,6 +159,7 @@ class Family:
     default_window: int = 0  # attention.sliding_window when the key is absent (0: no sliding window)
     # (hp, base, freq_scale) -> the sliding layers' (base, freq_scale); default: the same as every layer's
     swa_rope: Callable[[Hparams, float, float], tuple[float, float]] | None = None
+    swa_plain_rope: bool = False  # sliding layers rotate without the model's RoPE scaling (olmo2)
     # (hp, il, sliding) -> whether layer il applies RoPE (smollm3, cohere2 skip it on some layers)
     rope_on_layer: Callable[[Hparams, int, bool], bool] = lambda hp, il, sliding: True
     # (hp, tensor names present in layer 0) -> wiring; stablelm is parallel when ffn_norm is absent

@@ -19,6 +19,8 @@ FAMILY = Family(
     embedding_scale=lambda hp: hp.float("embedding_scale", default=0.0) or 1.0,
     residual_scale=lambda hp: hp.float("residual_scale", default=0.0) or 1.0,
     logit_scale=lambda hp: 1.0 / hp.float("logit_scale", positive=True),
+    # rope.scaling.finetuned (default true) switches RoPE on or off in every layer
+    rope_on_layer=lambda hp, il, sliding: hp.bool("rope.scaling.finetuned", default=True),
     rope_scalings=("none", "linear", "llama3", "yarn"),
     fixture=FixtureSpec(
         metadata=(("embedding_scale", 2.0), ("residual_scale", 0.5), ("attention.scale", 0.1), ("logit_scale", 4.0)),

@@ -2,8 +2,8 @@
 
 Post-norm only: x + post_attention_norm(attention(x)), then x + post_ffw_norm(mlp(x)) (no norm before either
 branch); RMSNorm over the whole q and k projections (not per head) before NEOX RoPE; SiLU gated MLP;
-untied output. With attention.sliding_window > 0, three of every four layers slide (pattern 4), with RoPE
-base rope.freq_base_swa (default: the global base) and no frequency scaling.
+untied output. With attention.sliding_window > 0, three of every four layers slide (pattern 4); they rotate
+at the global base without the model's RoPE scaling (rope.freq_base_swa is not read).
 """
 
 from alchemist.arch.family import Family, FixtureSpec, every_nth_dense
@@ -34,7 +34,9 @@ FAMILY = Family(
     rope=RopeStyle.NEOX,
     activation=Activation.SILU,
     sliding_layers=every_nth_dense(4),
-    swa_rope=lambda hp, base, scale: (hp.float("rope.freq_base_swa", default=base, positive=True), 1.0),
+    # the sliding layers rotate at the global base without the model's RoPE scaling (olmo2.cpp)
+    swa_rope=lambda hp, base, scale: (base, 1.0),
+    swa_plain_rope=True,
     fixture=FixtureSpec(
         variants=(("swa", FixtureSpec(n_layer=4, metadata=(("attention.sliding_window", 8),))),),
     ),
