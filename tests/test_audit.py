@@ -410,3 +410,35 @@ def test_cli_audit_subcommand(fixture_modules, tmp_path, capsys):
     args = parser.parse_args(["audit", str(bad), "--gguf", str(gguf_path), "-o", str(tmp_path / "out2")])
     assert args.fn(args) == 1
     assert "safety" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# load_llm audits what it imports
+# ---------------------------------------------------------------------------------------------------
+def test_require_passing_audit_remembers_and_refuses(fixture_modules, tmp_path, monkeypatch):
+    from alchemist.audit import require_passing_audit
+    from alchemist.errors import AuditError
+
+    monkeypatch.setenv("ALCHEMIST_CACHE", str(tmp_path / "cache"))
+    module, _, ir = fixture_modules["gemma3"]
+    assert require_passing_audit(module, ir).passed
+    memo = list((tmp_path / "cache" / "audits").iterdir())
+    assert len(memo) == 1
+    assert require_passing_audit(module, ir).passed  # from the memo
+    bad = write_mutant(tmp_path, module, mutate_tensor_unread(module.read_text(), ir))
+    for _ in range(2):  # audited, then remembered: refused both times with the findings
+        with pytest.raises(AuditError, match=r"fails its audit.*coverage: .* is never read by forward"):
+            require_passing_audit(bad, ir)
+    assert len(list((tmp_path / "cache" / "audits").iterdir())) == 2
+
+
+def test_load_llm_refuses_a_module_that_fails_its_audit(fixture_modules, tmp_path, monkeypatch):
+    import alchemist.runtime.api as api
+    from alchemist.errors import AuditError
+
+    monkeypatch.setenv("ALCHEMIST_CACHE", str(tmp_path / "cache"))
+    module, gguf_path, ir = fixture_modules["llama"]
+    bad = write_mutant(tmp_path, module, mutate_injected_import(module.read_text(), ir))
+    monkeypatch.setattr(api, "write_generated", lambda ir, out_dir: bad)
+    with pytest.raises(AuditError, match="safety: import of 'os'"):
+        api.load_llm(gguf_path, backend="c", progress=False, compile_now=False)

@@ -23,13 +23,21 @@ import hashlib
 import os
 from pathlib import Path
 
-from alchemist.audit.checks import SOURCE_CHECKS, Context
-from alchemist.audit.graph import GRAPH_CHECKS, run_graph_check
 from alchemist.audit.report import AuditReport, CheckResult, write_reports
-from alchemist.audit.source import ModuleSource, ParseFailure
-from alchemist.errors import AlchemistError
+from alchemist.errors import AlchemistError, AuditError
 
-CHECK_NAMES = tuple(SOURCE_CHECKS) + tuple(GRAPH_CHECKS)
+# the source checks, then the graph checks (libcst, black and pytensor are imported when a module is audited)
+CHECK_NAMES = (
+    "provenance",
+    "syntax",
+    "format",
+    "safety",
+    "config",
+    "dequantization",
+    "orientation",
+    "heads",
+    "coverage",
+)
 
 
 @functools.lru_cache(maxsize=4)
@@ -52,6 +60,11 @@ def _scrub(message: str, path: str) -> str:
 
 def audit_module(module_path, gguf_path=None, ir=None) -> AuditReport:
     """Audit the generated module at module_path, against a GGUF file and/or a ModelIR when given."""
+    from alchemist.audit.checks import SOURCE_CHECKS, Context
+    from alchemist.audit.graph import GRAPH_CHECKS, run_graph_check
+    from alchemist.audit.source import ModuleSource, ParseFailure
+
+    assert CHECK_NAMES == tuple(SOURCE_CHECKS) + tuple(GRAPH_CHECKS)
     path = Path(module_path)
     text = path.read_text(encoding="utf-8")
     report = AuditReport(
@@ -99,4 +112,32 @@ def audit_module(module_path, gguf_path=None, ir=None) -> AuditReport:
     return report
 
 
-__all__ = ["AuditReport", "CheckResult", "CHECK_NAMES", "audit_module", "write_reports"]
+def require_passing_audit(module_path, ir) -> AuditReport:
+    """Audit the module load_llm is about to import against its IR; raise AuditError if a check fails.
+
+    The verdict is remembered under the cache's audits/ by (module sha256, IR hash, alchemist version and the
+    auditor's own source), so a module already audited costs a hash and a small read."""
+    import json
+
+    from alchemist import __version__
+    from alchemist.paths import cache_subdir, remember
+
+    path = Path(module_path)
+    h = hashlib.sha256(f"{ir.ir_hash()}\0{__version__}\0".encode() + path.read_bytes())
+    for p in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(p.read_bytes())
+    memo = cache_subdir("audits") / f"{h.hexdigest()}.json"
+    try:
+        data = json.loads(memo.read_text())
+        report = AuditReport(data["module"], data["module_sha256"], data["gguf"])
+        report.checks = [CheckResult(c["name"], c["passed"], c["why"], tuple(c["details"])) for c in data["checks"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        report = audit_module(path, ir=ir)
+        remember(memo, report.to_json())
+    if not report.passed:
+        failed = "; ".join(f"{c.name}: {c.why}" for c in report.checks if not c.passed)
+        raise AuditError(f"{path.name} fails its audit, so it is not imported: {failed}")
+    return report
+
+
+__all__ = ["AuditReport", "CheckResult", "CHECK_NAMES", "audit_module", "require_passing_audit", "write_reports"]
