@@ -267,6 +267,16 @@ def test_blocks_reaching_anything_but_a_kernel_fail_dequantization(fixture_modul
     assert f"the uint8 blocks of {name} (Q8_0) reach Add" in report.check("dequantization").why
 
 
+def test_a_2d_tensor_of_a_role_without_an_orientation_rule_fails_closed(fixture_modules):
+    import dataclasses
+
+    module, _, ir = fixture_modules["llama"]
+    name = "blk.0.attn_q.weight"
+    tensors = tuple(dataclasses.replace(t, role="mystery") if t.name == name else t for t in ir.tensors)
+    report = audit_module(module, ir=dataclasses.replace(ir, tensors=tensors))
+    assert f"{name} is a 2-D tensor of role 'mystery'" in report.check("orientation").why
+
+
 # ---------------------------------------------------------------------------------------------------
 # good modules
 # ---------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from alchemist.audit.checks import Context, ggml_sizes, result
 N_TOKENS = 3  # static token count of the probe graph
 CAPACITY = 7  # static KV-cache rows
 HEAD_KINDS = ("head", "kv", "group", "mix")
+ROW_ROLES = ("embedding", "position_embedding")  # 2-D tables read by rows (an embedding also as a tied output)
 RANK = {"head": 0, "kv": 0, "group": 1, "dim": 2}
 
 
@@ -170,7 +171,7 @@ def kernel_findings(b: Build, tensors: dict, kernel: set, roles: dict) -> tuple[
             op = node.op
             if isinstance(op, QuantizedMatmul) and i == 1:
                 got = (op.ggml_type, op.n_out, op.n_in)
-            elif isinstance(op, QuantizedEmbedding) and i == 0 and roles.get(name, "embedding") == "embedding":
+            elif isinstance(op, QuantizedEmbedding) and i == 0 and roles.get(name, "embedding") in ROW_ROLES:
                 got = (op.ggml_type, op.n_rows, op.n_in)
             else:
                 f.append(
@@ -221,16 +222,30 @@ def _contracted(node, i: int, ndim: int) -> int | None:
     return ndim - 1 if i == 0 else (0 if ndim == 1 else ndim - 2)
 
 
+def _reads_rows(op, i: int, perm) -> bool:
+    """The op selects whole rows of its input i (indexed or sliced on axis 0), and that axis is the table's 0."""
+    from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor
+
+    idx = getattr(op, "idx_list", ())
+    return (
+        isinstance(op, (AdvancedSubtensor, Subtensor))
+        and i == 0
+        and perm[0] == 0
+        and bool(idx)
+        and isinstance(idx[0], slice) == isinstance(op, Subtensor)
+        and all(isinstance(s, slice) and s == slice(None) for s in idx[1:])
+    )
+
+
 def orientation_findings(b: Build, tensors: dict, roles: dict) -> tuple[list[str], int]:
     from pytensor.tensor.elemwise import DimShuffle, Elemwise
-    from pytensor.tensor.subtensor import AdvancedSubtensor
 
     f, n = [], 0
     for name, var in b.weights.items():
         role = roles.get(name)
         if var.dtype != "float32" or var.ndim != 2:
             continue
-        if role not in ("linear", "embedding"):
+        if role not in ("linear", *ROW_ROLES):
             f.append(f"{name} is a 2-D tensor of role {role!r}, for which the auditor has no orientation rule")
             continue
         stack, uses = [(var, (0, 1))], 0  # (variable, original axis at each position)
@@ -242,22 +257,15 @@ def orientation_findings(b: Build, tensors: dict, roles: dict) -> tuple[list[str
                     stack.append((out, tuple(None if o == "x" else perm[o] for o in op.new_order)))
                 elif isinstance(op, Elemwise) and out.type.shape == v.type.shape:
                     stack.append((out, perm))  # scaled, cast: the same axes
-                elif (axis := _contracted(node, i, v.ndim)) is not None:
+                elif role != "position_embedding" and (axis := _contracted(node, i, v.ndim)) is not None:
                     uses += 1
                     if perm[axis] != 1:
                         f.append(
                             f"{name} ({role}, stored (n_out, n_in) = {tensors[name][1]}) is contracted over "
                             f"its axis {perm[axis]}, not its axis 1 (x @ W.T)"
                         )
-                elif (
-                    role == "embedding"
-                    and isinstance(op, AdvancedSubtensor)
-                    and i == 0
-                    and perm[0] == 0
-                    and not isinstance(op.idx_list[0], slice)
-                    and all(isinstance(s, slice) and s == slice(None) for s in op.idx_list[1:])
-                ):
-                    uses += 1  # rows gathered: table[tokens]
+                elif role in ROW_ROLES and _reads_rows(op, i, perm):
+                    uses += 1  # table[tokens], table[start:stop]
                 else:
                     f.append(
                         f"{name} ({role}) reaches {op} (input {i}) with its axes in order {perm}, where its "
