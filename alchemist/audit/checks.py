@@ -16,7 +16,7 @@ import black
 import libcst as cst
 
 from alchemist.audit.report import CheckResult
-from alchemist.audit.source import CONTRACT_CONSTANTS, CONTRACT_FUNCTIONS, LOADER_FUNCTIONS, ModuleSource, dotted, walk
+from alchemist.audit.source import CONTRACT_CONSTANTS, CONTRACT_FUNCTIONS, ModuleSource, dotted, walk
 
 PROVENANCE_FIELDS = ("model_name", "source_file", "source_sha256", "source_size", "generator", "ir_sha256")
 KERNELS_MODULE = "alchemist.kernels"

@@ -57,7 +57,8 @@ class Build:
     error: str | None = None
 
 
-def build_forward(module, tensors: dict, kernel: set, n_kv_head: int, head_dim: int, n_layer: int, quantized: bool):
+def build_forward(module, tensors: dict, kernel: set, cache_shapes: list, quantized: bool) -> Build:
+    """forward's graph for N_TOKENS tokens; cache_shapes: per layer (n_kv_head, head_dim)."""
     import pytensor
     import pytensor.tensor as pt
     from pytensor.graph.traversal import io_toposort
@@ -71,8 +72,8 @@ def build_forward(module, tensors: dict, kernel: set, n_kv_head: int, head_dim: 
     tokens = pt.tensor("tokens", dtype="int64", shape=(N_TOKENS,))
     start_pos = pt.scalar("start_pos", dtype="int64")
     cache = [
-        tuple(pt.tensor(f"{kv}_cache.{il}", dtype="float32", shape=(CAPACITY, n_kv_head, head_dim)) for kv in "kv")
-        for il in range(n_layer)
+        tuple(pt.tensor(f"{kv}_cache.{il}", dtype="float32", shape=(CAPACITY, *shape)) for kv in "kv")
+        for il, shape in enumerate(cache_shapes)
     ]
     try:
         with pytensor.config.change_flags(traceback__limit=0):  # no stack walk for every node: 3x faster
@@ -342,13 +343,13 @@ class HeadLayouts:
                 a = self.axes(ins[0])
                 new = tuple(None if o == "x" else a[o] for o in op.new_order)
             elif isinstance(op, Elemwise):
-                new = self.merge(out, [self.axes(v) for v in ins if v.ndim == out.ndim], [v for v in ins])
+                new = self.merge(out, [self.axes(v) for v in ins if v.ndim == out.ndim])
             elif isinstance(op, Subtensor):
                 new = self.subtensor(ins[0], out, op.idx_list)
             elif isinstance(op, (IncSubtensor, AdvancedIncSubtensor)):
                 k = min(ins[1].ndim, out.ndim)
                 value = (None,) * (out.ndim - k) + self.axes(ins[1])[ins[1].ndim - k :]
-                new = self.merge(out, [self.axes(ins[0]), value], [ins[0], ins[1]])
+                new = self.merge(out, [self.axes(ins[0]), value])
             elif isinstance(op, AdvancedSubtensor):
                 k = min(ins[0].ndim - (len(ins) - 1), out.ndim)
                 new = (None,) * (out.ndim - k) + (self.axes(ins[0])[ins[0].ndim - k :] if k > 0 else ())
@@ -365,7 +366,7 @@ class HeadLayouts:
         return self
 
     @staticmethod
-    def merge(out, layouts, variables=None):
+    def merge(out, layouts):
         new = []
         for ax in range(out.ndim):
             labels = [lay[ax] for lay in layouts if lay[ax] is not None and out.type.shape[ax] != 1]
@@ -577,15 +578,15 @@ def graph_audit(ctx: Context) -> GraphAudit:
     g.loader = probe_loader(module, tensors, kernel)
     if ctx.ir is not None:
         g.roles = {t.name: t.role for t in ctx.ir.tensors}
-        att = ctx.ir.layers[0].attention
-        n_kv, head_dim, n_layer = att.n_kv_head, att.head_dim, ctx.ir.n_layer
+        shapes = [(lay.attention.n_kv_head, lay.attention.head_dim) for lay in ctx.ir.layers]
     else:
         n_kv, head_dim, n_layer = (ctx.src.constant(n) for n in ("N_KV_HEAD", "HEAD_DIM", "N_LAYER"))
         if not all(isinstance(v, int) for v in (n_kv, head_dim, n_layer)):
             g.error = "not checked: needs the IR (give the GGUF) for the KV-cache shapes"
             return g
+        shapes = [(n_kv, head_dim)] * n_layer
     for quantized in (False, True) if kernel else (False,):
-        g.builds.append(build_forward(module, tensors, kernel, n_kv, head_dim, n_layer, quantized))
+        g.builds.append(build_forward(module, tensors, kernel, shapes, quantized))
     return g
 
 

@@ -11,7 +11,6 @@ from typing import Iterator
 
 import libcst as cst
 
-LOADER_FUNCTIONS = ("dequantize_tensor", "load_weights")  # the only code that reads and decodes the file
 CONTRACT_FUNCTIONS = ("dequantize_tensor", "load_weights", "forward")
 CONTRACT_CONSTANTS = ("PROVENANCE", "DATA_OFFSET", "TENSORS", "KERNEL_WEIGHTS")
 NOT_LITERAL = object()
