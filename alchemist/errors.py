@@ -25,3 +25,7 @@ class UnsupportedModelError(AlchemistError):
 
 class BackendUnavailableError(AlchemistError):
     """A PyTensor backend was requested whose library is not installed."""
+
+
+class AuditError(AlchemistError):
+    """A generated module fails the audit (alchemist.audit); the message lists the failed checks."""

@@ -1,52 +1,19 @@
-"""Static audit of generated modules: `audit_module(path, gguf_path=None, ir=None) -> AuditReport`.
+"""Audit of generated modules: `audit_module(path, gguf_path=None, ir=None) -> AuditReport`.
 
-The generated module is parsed with libcst and never imported or executed; literal constants (PROVENANCE,
-TENSORS, the configuration) are read with `ast.literal_eval`. With a GGUF file the audit also re-reads its
-header, re-derives the IR and compares. Checks (see alchemist/audit/checks.py):
+Source checks (alchemist/audit/checks.py: libcst, the module is not imported) -- what only the text shows:
 
 - provenance      header and PROVENANCE complete; sha256, size and IR hash match the GGUF / IR
-- syntax          parses; defines the template's functions and constants
+- syntax          parses; defines forward(), load_weights(), dequantize_tensor() and the contract's constants
 - format          black-clean with alchemist.codegen.BLACK_MODE
-- safety          allowlisted imports only; no eval/exec/open/getattr/dunder/import-time code; the file is
+- safety          allowlisted imports only; no eval/exec/open/getattr/dunders/import-time code; the file is
                   read only in load_weights; metadata strings are plain literals
-- config          constants well-formed and equal to the IR's; TENSORS regions in bounds, disjoint and at
-                  the GGUF's offsets
-- dequantization  every tensor reaches the graph as float32 through gguf's dequantize (via dequantize_tensor
-                  in load_weights), or in GGUF blocks only into alchemist.kernels (see "Kernel path");
-                  byte sizes match types
-- orientation     TENSORS shapes are the GGUF's (ne reversed) and the (n_out, n_in) the constants imply;
-                  linear() is x @ W.T; projection weights go through linear(), project() or a kernel; the
-                  kernels get the weight's stored (rows, columns)
-- heads           head constants consistent (and equal to the IR's); every head split/merge reshape regroups
-                  its input symbolically (N_HEAD = N_KV_HEAD·GROUP_SIZE, KV-major)
-- coverage        every GGUF tensor is used by the graph or ignored with a reason; no name used that the
-                  file lacks
+- config          constants equal module_constants(IR); TENSORS well-formed, in bounds, disjoint and equal to
+                  the IR's and the GGUF's inventory; KERNEL_WEIGHTS the IR's kernel tensors
 
-Kernel path (quantized matrices kept in GGUF blocks). load_weights may store an entry without
-dequantize_tensor under an `if` on the loop's name or type variable against literal constants (e.g.
-`if quantized and name in KERNEL_WEIGHTS:`, KERNEL_WEIGHTS a literal set of names equal to the IR's kernel
-tensors, or `if ggml_type in ("Q4_K", ...)`). Every graph read of such a tensor must then be one of:
-- the blocks argument of alchemist.kernels.quantized_linear(x, w_blocks, ggml_type, n_out, n_in) or
-  quantized_embedding(w_blocks, indices, ggml_type, n_rows, n_in), passed `w[name]` directly; or
-- `weight = w[name]` bound once at the top level of a function whose first use of `weight` is
-  `if weight.dtype == "uint8":`, a branch that ends in a return and uses `weight` only as such a blocks
-  argument; after (or in the else of) that branch `weight` is float32 and used as any weight. This form is
-  accepted only if every undequantized store of the tensor is alchemist.kernels.as_blocks(...) (uint8), so
-  that the dtype test tells blocks from float32.
-In every such kernel call the ggml type is TENSORS[name][0] of the weight it decodes (dequantization) and
-the sizes are TENSORS[name][1][0] and [1][1] of that weight, or size constants equal to its stored shape
-(numerically when the name is a literal pattern, and symbolically wherever the shape interpreter reaches
-the call; one of the two is required) (orientation); quantized_linear computes x @ W.T like linear(), and
-quantized_embedding(W, tokens) is W[tokens].
-
-Weight-name helpers. A module-level function with the weights dict `w` as a parameter that it only
-subscripts, and a parameter `name` that it never rebinds and reads weights with as `w[name]` (the
-template's `project(x, w, name, bias=None)`), is a weight-name helper: each call of it counts as a read of
-the weight its call site names (`project(x, w, p + "attn_q.weight")` reads blk.{il}.attn_q.weight) for
-coverage, and the helper's `w[name]` reads are checked as above for every tensor it is called with, for
-orientation with that tensor's role (in project(): float32 into linear(x, weight, bias), blocks into
-quantized_linear with (n_out, n_in) = TENSORS[name][1]). The shape interpreter binds `name` to the call
-site's pattern, so project(x, w, pattern) has the shape of linear(x, w[pattern]) on every path.
+Graph checks (alchemist/audit/graph.py: only once safety passed, the module is executed into a fresh module
+object, its loader probed on a synthetic file and `forward` built symbolically, never compiled or run):
+dequantization, orientation, heads, coverage. No check knows a family or a template's function names: the
+IR (tensor roles, head sizes) and the module contract are all they read, so a new family needs no change.
 """
 
 from __future__ import annotations
@@ -56,10 +23,21 @@ import hashlib
 import os
 from pathlib import Path
 
-from alchemist.audit.checks import CHECK_NAMES, CHECKS, Context
 from alchemist.audit.report import AuditReport, CheckResult, write_reports
-from alchemist.audit.source import ModuleSource, ParseFailure
-from alchemist.errors import AlchemistError
+from alchemist.errors import AlchemistError, AuditError
+
+# the source checks, then the graph checks (libcst, black and pytensor are imported when a module is audited)
+CHECK_NAMES = (
+    "provenance",
+    "syntax",
+    "format",
+    "safety",
+    "config",
+    "dequantization",
+    "orientation",
+    "heads",
+    "coverage",
+)
 
 
 @functools.lru_cache(maxsize=4)
@@ -82,6 +60,11 @@ def _scrub(message: str, path: str) -> str:
 
 def audit_module(module_path, gguf_path=None, ir=None) -> AuditReport:
     """Audit the generated module at module_path, against a GGUF file and/or a ModelIR when given."""
+    from alchemist.audit.checks import SOURCE_CHECKS, Context
+    from alchemist.audit.graph import GRAPH_CHECKS, run_graph_check
+    from alchemist.audit.source import ModuleSource, ParseFailure
+
+    assert CHECK_NAMES == tuple(SOURCE_CHECKS) + tuple(GRAPH_CHECKS)
     path = Path(module_path)
     text = path.read_text(encoding="utf-8")
     report = AuditReport(
@@ -120,11 +103,41 @@ def audit_module(module_path, gguf_path=None, ir=None) -> AuditReport:
     )
     for name in CHECK_NAMES:
         try:
-            result = CHECKS[name](ctx)
+            result = SOURCE_CHECKS[name](ctx) if name in SOURCE_CHECKS else run_graph_check(name, ctx)
         except Exception as e:  # an auditor bug or a module shape it cannot follow: never a pass
             result = CheckResult(name, False, f"the check could not run: {type(e).__name__}: {e}")
         report.checks.append(result)
+        if name == "safety":
+            ctx.safe = result.passed
     return report
 
 
-__all__ = ["AuditReport", "CheckResult", "CHECK_NAMES", "audit_module", "write_reports"]
+def require_passing_audit(module_path, ir) -> AuditReport:
+    """Audit the module load_llm is about to import against its IR; raise AuditError if a check fails.
+
+    The verdict is remembered under the cache's audits/ by (module sha256, IR hash, alchemist version and the
+    auditor's own source), so a module already audited costs a hash and a small read."""
+    import json
+
+    from alchemist import __version__
+    from alchemist.paths import cache_subdir, remember
+
+    path = Path(module_path)
+    h = hashlib.sha256(f"{ir.ir_hash()}\0{__version__}\0".encode() + path.read_bytes())
+    for p in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(p.read_bytes())
+    memo = cache_subdir("audits") / f"{h.hexdigest()}.json"
+    try:
+        data = json.loads(memo.read_text())
+        report = AuditReport(data["module"], data["module_sha256"], data["gguf"])
+        report.checks = [CheckResult(c["name"], c["passed"], c["why"], tuple(c["details"])) for c in data["checks"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        report = audit_module(path, ir=ir)
+        remember(memo, report.to_json())
+    if not report.passed:
+        failed = "; ".join(f"{c.name}: {c.why}" for c in report.checks if not c.passed)
+        raise AuditError(f"{path.name} fails its audit, so it is not imported: {failed}")
+    return report
+
+
+__all__ = ["AuditReport", "CheckResult", "CHECK_NAMES", "audit_module", "require_passing_audit", "write_reports"]

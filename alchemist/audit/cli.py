@@ -41,9 +41,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     """Add the `audit` subcommand to an argparse subparsers object."""
     p = subparsers.add_parser(
         "audit",
-        help="statically check a generated module's contracts (never imports it)",
-        description="Check a generated module against its contracts (provenance, format, safety, config, "
-        "dequantization, orientation, heads, coverage) without running it; with --gguf also against the file.",
+        help="check a generated module's contracts (its source, then its symbolic graph once it is safe to import)",
+        description="Check a generated module against its contracts: provenance, syntax, format, safety and config "
+        "from its source; dequantization, orientation, heads and coverage from its loader run on a synthetic file "
+        "and its forward graph built (never compiled nor run). With --gguf also against the file and its IR.",
     )
     p.add_argument("module", help="the generated module, e.g. generated/<model>.py")
     p.add_argument(

@@ -88,6 +88,7 @@ def load_llm(
     compile_now: bool = True,
 ) -> LoadedModel:
     """Generate (or reuse) the PyTensor module for a GGUF file, load its weights and compile decoding."""
+    from alchemist.audit import require_passing_audit
     from alchemist.runtime.engine import Engine, import_generated
 
     require_backend(backend)
@@ -96,6 +97,7 @@ def load_llm(
     facts = read_gguf(path)
     ir = build_model_ir(facts)
     module_path = write_generated(ir, generated_dir or generated_cache_dir())
+    require_passing_audit(module_path, ir)  # an AuditError naming the failed checks instead of importing it
     module = import_generated(module_path)
     total = sum(t.nbytes for t in ir.tensors)
     t_w = time.perf_counter()

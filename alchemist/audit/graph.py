@@ -1,0 +1,608 @@
+"""The graph checks: the module (once the safety check passed) imported into a fresh, unregistered module
+object, its loader probed on a small synthetic file, and `forward` built symbolically -- never compiled nor
+run -- from one input per TENSORS entry, then the PyTensor graph (before any rewrite) walked:
+
+- dequantization  load_weights(path) returns every entry as gguf's float32 dequantization of its bytes, and
+                  with quantized=True the KERNEL_WEIGHTS as their uint8 blocks (probed on a synthetic file with
+                  two rows per tensor); in the graph every uint8 weight reaches only alchemist.kernels Ops
+                  whose ggml type and (n_out, n_in) are its TENSORS entry's
+- orientation     every float "linear" weight (n_out, n_in) is contracted over its axis 1 (x @ W.T), through
+                  any transposes; an "embedding" is gathered by rows (axis 0) or used as a linear weight
+- heads           every reshape that splits a projection of width n_head·head_dim (n_kv_head·head_dim) has
+                  static shapes and makes (…, heads, head_dim), a split of the query heads is kv-major
+                  (n_kv_head, group), merges keep heads outer of head_dim, and no contraction other than with
+                  a weight runs over an axis holding heads: axes are labelled from the split on and the
+                  labels followed through reshapes, transposes, slices, joins and matmuls, so a layout that
+                  only shapes cannot tell apart (n_head == head_dim, n_kv_head == group) is still followed
+- coverage        every TENSORS entry reaches the logits or the cache (not only through its shape), and forward
+                  reads no name outside TENSORS
+
+Nothing here knows a family or a template function: the IR gives the roles and head sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from alchemist.audit.checks import Context, ggml_sizes, result
+
+N_TOKENS = 3  # static token count of the probe graph
+CAPACITY = 7  # static KV-cache rows
+HEAD_KINDS = ("head", "kv", "group", "mix")
+ROW_ROLES = ("embedding", "position_embedding")  # 2-D tables read by rows (an embedding also as a tied output)
+RANK = {"head": 0, "kv": 0, "group": 1, "dim": 2}
+
+
+def load_isolated(text: str, filename: str) -> types.ModuleType:
+    """Execute the module's source in a fresh module object that is not registered in sys.modules."""
+    module = types.ModuleType(f"alchemist_audited_{Path(filename).stem}")
+    module.__file__ = filename
+    exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 - only after the safety check passed
+    return module
+
+
+@dataclass
+class Build:
+    quantized: bool
+    weights: dict = field(default_factory=dict)  # name -> input variable
+    outputs: list = field(default_factory=list)
+    nodes: list = field(default_factory=list)  # apply nodes, in topological order
+    clients: dict = field(default_factory=dict)  # variable -> [(node, input index)]
+    error: str | None = None
+
+
+def build_forward(module, tensors: dict, kernel: set, cache_shapes: list, quantized: bool) -> Build:
+    """forward's graph for N_TOKENS tokens; cache_shapes: per layer (n_kv_head, head_dim)."""
+    import pytensor
+    import pytensor.tensor as pt
+    from pytensor.graph.traversal import io_toposort
+
+    b = Build(quantized)
+    for name, (gtype, shape, _, nbytes) in tensors.items():
+        if quantized and name in kernel:
+            b.weights[name] = pt.tensor(name, dtype="uint8", shape=(shape[0], nbytes // shape[0]))
+        else:
+            b.weights[name] = pt.tensor(name, dtype="float32", shape=shape)
+    tokens = pt.tensor("tokens", dtype="int64", shape=(N_TOKENS,))
+    start_pos = pt.scalar("start_pos", dtype="int64")
+    cache = [
+        tuple(pt.tensor(f"{kv}_cache.{il}", dtype="float32", shape=(CAPACITY, *shape)) for kv in "kv")
+        for il, shape in enumerate(cache_shapes)
+    ]
+    try:
+        with pytensor.config.change_flags(traceback__limit=0):  # no stack walk for every node: 3x faster
+            logits, new_cache = module.forward(dict(b.weights), tokens, start_pos, cache, attend_len=CAPACITY)
+        b.outputs = [logits] + [t for pair in new_cache for t in pair]
+        b.outputs = [pt.as_tensor_variable(o) for o in b.outputs]
+    except KeyError as e:
+        b.error = f"forward reads w[{e.args[0]!r}], which is not in TENSORS" if e.args else "forward raised KeyError"
+        return b
+    except Exception as e:  # noqa: BLE001 - any failure to build is a finding, with its message
+        b.error = f"forward could not be built ({'quantized' if quantized else 'float32'} weights): " + (
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        )
+        return b
+    b.nodes = list(io_toposort([], b.outputs))
+    for node in b.nodes:
+        for i, v in enumerate(node.inputs):
+            b.clients.setdefault(v, []).append((node, i))
+    return b
+
+
+# ---------------------------------------------------------------------------------------------------
+# dequantization: the loader probe and the uint8 weights in the graph
+# ---------------------------------------------------------------------------------------------------
+def probe_loader(module, tensors: dict, kernel: set) -> list[str]:
+    """Run load_weights on a synthetic file (random bytes, two rows per tensor, a non-zero DATA_OFFSET and
+    gaps between regions) and compare what it returns with gguf's dequantization of the same bytes."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    sizes = ggml_sizes()
+    table, raw, blob = {}, {}, bytearray(rng.integers(0, 256, 96, dtype=np.uint8).tobytes())
+    data_offset = len(blob)
+    for name, (gtype, shape, _, _) in tensors.items():
+        small = tuple(shape) if len(shape) == 1 else (min(shape[0], 2),) + tuple(shape[1:])
+        block, type_size = sizes[gtype]
+        if gtype in ("F32", "F16"):
+            data = rng.standard_normal(math.prod(small)).astype(np.float32 if gtype == "F32" else np.float16)
+            data = data.view(np.uint8)
+        else:
+            # bytes below 0x7C: every float16 scale in the blocks is finite, so every value is compared
+            data = rng.integers(0, 0x7C, math.prod(small) // block * type_size, dtype=np.uint8)
+        blob += bytes(32 + 32 * int(rng.integers(0, 3)))  # a gap before every region
+        table[name] = (gtype, small, len(blob) - data_offset, data.size)
+        raw[name] = data
+        blob += data.tobytes()
+    saved = {k: module.__dict__.get(k) for k in ("TENSORS", "DATA_OFFSET", "PROVENANCE")}
+    f: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="alchemist-audit-") as tmp:
+        path = Path(tmp) / "probe.gguf"
+        path.write_bytes(bytes(blob))
+        module.TENSORS, module.DATA_OFFSET = table, data_offset
+        module.PROVENANCE = {**(saved["PROVENANCE"] or {}), "source_size": len(blob)}
+        try:
+            for quantized in (False, True):
+                call = f"load_weights(path, quantized={quantized})"
+                try:
+                    got = module.load_weights(str(path), quantized=quantized)
+                except Exception as e:  # noqa: BLE001
+                    f.append(f"{call} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    continue
+                if not isinstance(got, dict) or set(got) != set(table):
+                    f.append(f"{call} does not return exactly the TENSORS names")
+                    continue
+                for name, (gtype, small, _, nbytes) in table.items():
+                    value = np.asarray(got[name])
+                    if quantized and name in kernel:
+                        want = raw[name].reshape(small[0], -1)
+                        what = "its uint8 GGUF blocks (n_out, bytes per row)"
+                    else:
+                        rows = raw[name].reshape(small[:-1] + (-1,))
+                        want = dequantize(rows, GGMLQuantizationType[gtype]).astype(np.float32).reshape(small)
+                        what = f"gguf's float32 dequantization of its {gtype} bytes"
+                    if not (value.dtype == want.dtype and value.shape == want.shape and _same(value, want)):
+                        f.append(f"{call}[{name!r}] is not {what} ({value.dtype}{list(value.shape)})")
+        finally:
+            module.__dict__.update(saved)
+    return f
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.dtype.kind == "f":
+        return bool(np.array_equal(a, b, equal_nan=True))
+    return bool(np.array_equal(a, b))
+
+
+def kernel_findings(b: Build, tensors: dict, kernel: set, roles: dict) -> tuple[list[str], int]:
+    """Every uint8 weight of a quantized build is only the blocks of a kernel Op of its type and stored shape."""
+    from alchemist.kernels import QuantizedEmbedding, QuantizedMatmul
+
+    f, n = [], 0
+    for name in sorted(kernel):
+        gtype, (n_out, n_in) = tensors[name][0], tensors[name][1]
+        for node, i in b.clients.get(b.weights[name], []):
+            op = node.op
+            if isinstance(op, QuantizedMatmul) and i == 1:
+                got = (op.ggml_type, op.n_out, op.n_in)
+            elif isinstance(op, QuantizedEmbedding) and i == 0 and roles.get(name, "embedding") in ROW_ROLES:
+                got = (op.ggml_type, op.n_rows, op.n_in)
+            else:
+                f.append(
+                    f"the uint8 blocks of {name} ({gtype}) reach {op} (input {i}), not an alchemist.kernels "
+                    "dequantizing Op"
+                )
+                continue
+            n += 1
+            if got != (gtype, n_out, n_in):
+                f.append(f"{name} is {gtype} ({n_out}, {n_in}) but reaches {type(op).__name__}{got}")
+    return f, n
+
+
+def check_dequantization(ctx: Context, g: "GraphAudit") -> object:
+    f = list(g.loader)
+    kernel_uses = 0
+    for b in g.builds:
+        if b.quantized:
+            found, kernel_uses = kernel_findings(b, ctx.tensors(), ctx.kernel_weights(), g.roles)
+            f += found
+    types_ = sorted({e[0] for e in ctx.tensors().values()})
+    kernel = ctx.kernel_weights()
+    ok = (
+        f"load_weights returns all {len(ctx.tensors())} TENSORS entries ({', '.join(types_)}) as gguf's float32 "
+        "dequantization of their bytes (probed on a synthetic file)"
+    )
+    if kernel:
+        ok += (
+            f"; with quantized=True the {len(kernel)} KERNEL_WEIGHTS as uint8 blocks, which the quantized graph "
+            f"passes only to alchemist.kernels Ops of their ggml type and (n_out, n_in) ({kernel_uses} uses)"
+        )
+    else:
+        ok += "; no KERNEL_WEIGHTS, so the graph gets float32 weights only"
+    return result("dequantization", f, ok)
+
+
+# ---------------------------------------------------------------------------------------------------
+# orientation
+# ---------------------------------------------------------------------------------------------------
+def _contracted(node, i: int, ndim: int) -> int | None:
+    """The axis of input i that a Dot / matmul node sums over, else None."""
+    from pytensor.tensor.blockwise import Blockwise
+    from pytensor.tensor.math import Dot
+
+    op = node.op
+    if not (isinstance(op, Dot) or (isinstance(op, Blockwise) and isinstance(op.core_op, Dot))):
+        return None
+    return ndim - 1 if i == 0 else (0 if ndim == 1 else ndim - 2)
+
+
+def _reads_rows(op, i: int, perm) -> bool:
+    """The op selects whole rows of its input i (indexed or sliced on axis 0), and that axis is the table's 0."""
+    from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor
+
+    idx = getattr(op, "idx_list", ())
+    return (
+        isinstance(op, (AdvancedSubtensor, Subtensor))
+        and i == 0
+        and perm[0] == 0
+        and bool(idx)
+        and isinstance(idx[0], slice) == isinstance(op, Subtensor)
+        and all(isinstance(s, slice) and s == slice(None) for s in idx[1:])
+    )
+
+
+def orientation_findings(b: Build, tensors: dict, roles: dict) -> tuple[list[str], int]:
+    from pytensor.tensor.elemwise import DimShuffle, Elemwise
+
+    f, n = [], 0
+    for name, var in b.weights.items():
+        role = roles.get(name)
+        if var.dtype != "float32" or var.ndim != 2:
+            continue
+        if role not in ("linear", *ROW_ROLES):
+            f.append(f"{name} is a 2-D tensor of role {role!r}, for which the auditor has no orientation rule")
+            continue
+        stack, uses = [(var, (0, 1))], 0  # (variable, original axis at each position)
+        while stack:
+            v, perm = stack.pop()
+            for node, i in b.clients.get(v, []):
+                op, out = node.op, node.outputs[0]
+                if isinstance(op, DimShuffle):
+                    stack.append((out, tuple(None if o == "x" else perm[o] for o in op.new_order)))
+                elif isinstance(op, Elemwise) and out.type.shape == v.type.shape:
+                    stack.append((out, perm))  # scaled, cast: the same axes
+                elif role != "position_embedding" and (axis := _contracted(node, i, v.ndim)) is not None:
+                    uses += 1
+                    if perm[axis] != 1:
+                        f.append(
+                            f"{name} ({role}, stored (n_out, n_in) = {tensors[name][1]}) is contracted over "
+                            f"its axis {perm[axis]}, not its axis 1 (x @ W.T)"
+                        )
+                elif role in ROW_ROLES and _reads_rows(op, i, perm):
+                    uses += 1  # table[tokens], table[start:stop]
+                else:
+                    f.append(
+                        f"{name} ({role}) reaches {op} (input {i}) with its axes in order {perm}, where its "
+                        "orientation cannot be checked"
+                    )
+        if not uses and var in b.clients:
+            f.append(f"{name} ({role}) is never applied as a matrix (contracted, or gathered by rows)")
+        n += uses
+    return f, n
+
+
+def check_orientation(ctx: Context, g: "GraphAudit"):
+    f, n = [], 0
+    for b in g.builds:
+        found, count = orientation_findings(b, ctx.tensors(), g.roles)
+        f += [x for x in found if x not in f]
+        n += count
+    float_2d = sum(1 for e in ctx.tensors().values() if len(e[1]) == 2)
+    return result(
+        "orientation",
+        f,
+        (
+            f"every float32 2-D weight ({float_2d} linear/embedding tensors) is contracted over its axis 1 (x @ W.T for "
+            f"W stored (n_out, n_in)) or, an embedding, gathered by rows ({n} uses followed through transposes into "
+            "dot/matmul or row gathers); the kernels' (n_out, n_in) are checked under dequantization"
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# heads
+# ---------------------------------------------------------------------------------------------------
+def _axis(axis) -> str:
+    return " × ".join(f"{k} {s}" for k, s in axis)
+
+
+class HeadLayouts:
+    """Labels the axes of each variable downstream of a head split: an axis is a tuple of (kind, size)
+    factors, outer to inner (kinds head / kv / group / dim, "mix" for a slice across heads, "?" unknown)."""
+
+    def __init__(self, b: Build, heads: list[tuple[int, int, int]]):
+        self.b, self.f, self.splits, self.merges = b, [], 0, 0
+        self.widths = {}
+        for n_head, n_kv, d in heads:
+            self.widths.setdefault(n_head * d, ("head", n_head, n_kv, d))
+            self.widths.setdefault(n_kv * d, ("kv", n_kv, n_kv, d))
+        self.layout: dict = {}
+        self.weighty = set(b.weights.values())
+
+    def axes(self, v):
+        return self.layout.get(v) or (None,) * v.ndim
+
+    def finding(self, text: str):
+        if text not in self.f:
+            self.f.append(text)
+
+    def run(self):
+        from pytensor.tensor.basic import Join
+        from pytensor.tensor.elemwise import DimShuffle, Elemwise
+        from pytensor.tensor.shape import Reshape
+        from pytensor.tensor.subtensor import AdvancedIncSubtensor, AdvancedSubtensor, IncSubtensor, Subtensor
+
+        for node in self.b.nodes:
+            op, ins, out = node.op, node.inputs, node.outputs[0]
+            if isinstance(op, (DimShuffle, Elemwise)) and any(
+                v in self.weighty and (isinstance(op, DimShuffle) or v.type.shape == out.type.shape) for v in ins
+            ):
+                self.weighty.add(out)  # a matrix weight, transposed or scaled
+            if not isinstance(op, Reshape) and not any(v in self.layout for v in ins):
+                continue
+            if isinstance(op, Reshape):
+                new = self.reshape(ins[0], out)
+            elif isinstance(op, DimShuffle):
+                a = self.axes(ins[0])
+                new = tuple(None if o == "x" else a[o] for o in op.new_order)
+            elif isinstance(op, Elemwise):
+                new = self.merge(out, [self.axes(v) for v in ins if v.ndim == out.ndim])
+            elif isinstance(op, Subtensor):
+                new = self.subtensor(ins[0], out, op.idx_list)
+            elif isinstance(op, (IncSubtensor, AdvancedIncSubtensor)):
+                k = min(ins[1].ndim, out.ndim)
+                value = (None,) * (out.ndim - k) + self.axes(ins[1])[ins[1].ndim - k :]
+                new = self.merge(out, [self.axes(ins[0]), value])
+            elif isinstance(op, AdvancedSubtensor):
+                k = min(ins[0].ndim - (len(ins) - 1), out.ndim)
+                new = (None,) * (out.ndim - k) + (self.axes(ins[0])[ins[0].ndim - k :] if k > 0 else ())
+            elif isinstance(op, Join):
+                new = self.join(op.axis % out.ndim, [v for v in ins if v.ndim == out.ndim], out)
+            elif _contracted(node, 0, ins[0].ndim) is not None:
+                new = self.contract(node)
+            else:  # an op of one array (softmax, ...) that keeps its shape keeps its layout
+                arrays = [v for v in ins if v.ndim == out.ndim]
+                keep = len(arrays) == 1 and arrays[0].type.shape == out.type.shape and arrays[0] not in self.weighty
+                new = self.axes(arrays[0]) if keep else None
+            if new is not None and any(a for a in new):
+                self.layout[out] = tuple(a or None for a in new)
+        return self
+
+    @staticmethod
+    def merge(out, layouts):
+        new = []
+        for ax in range(out.ndim):
+            labels = [lay[ax] for lay in layouts if lay[ax] is not None and out.type.shape[ax] != 1]
+            new.append(labels[0] if labels else None)
+        return tuple(new)
+
+    def reshape(self, x, out):
+        lay, shape, new_shape = list(self.axes(x)), x.type.shape, out.type.shape
+        if lay and lay[-1] is None and shape[-1] in self.widths and out.ndim > x.ndim:
+            kind, n, n_kv, d = self.widths[shape[-1]]
+            if None in new_shape or new_shape[: x.ndim - 1] != shape[:-1]:
+                self.finding(
+                    f"a reshape {shape} -> {new_shape} splits a projection of width {shape[-1]} = {n}·{d} "
+                    "without static leading shapes"
+                )
+                return None
+            split = new_shape[x.ndim - 1 :]
+            if split not in ((n, d), (n_kv, n // n_kv, d) if kind == "head" else (n, d)):
+                self.finding(
+                    f"a reshape splits a projection of width {shape[-1]} into {split}, not ({n} heads, "
+                    f"{d} head_dim)" + (f" or kv-major ({n_kv}, {n // n_kv}, {d})" if kind == "head" else "")
+                )
+            self.splits += 1
+            lay[-1] = ((kind, n), ("dim", d))
+        if not any(lay):
+            return None
+        if None in new_shape or None in shape:
+            self.finding(f"a reshape of heads {shape} -> {new_shape} has no static shape")
+            return None
+        factors = [fc for ax, s in zip(lay, shape) for fc in (ax if ax else (("?", s),)) if fc[1] != 1]
+        out_axes = []
+        for s in new_shape:
+            axis, need = [], s
+            while need > 1 and factors:
+                kind, size = factors[0]
+                if need % size == 0:
+                    axis.append(factors.pop(0))
+                    need //= size
+                elif size % need == 0:
+                    outer, inner = self.split(kind, need, size // need)
+                    axis.append(outer)
+                    factors[0] = inner
+                    need = 1
+                else:
+                    self.finding(f"a reshape {shape} -> {new_shape} cuts a {kind} axis of {size} across {need}")
+                    return None
+            out_axes.append(tuple(axis))
+        for axis in out_axes:
+            ranks = [RANK[k] for k, _ in axis if k in RANK]
+            if ranks != sorted(ranks):
+                self.finding(
+                    f"a reshape {shape} -> {new_shape} merges {_axis(axis)}: "
+                    "heads must be outer of head_dim, kv heads outer of their group"
+                )
+            elif len(set(ranks)) > 1:
+                self.merges += 1
+        return tuple(out_axes)
+
+    def split(self, kind, a, b):
+        if kind in ("dim", "?", "mix"):
+            return (kind, a), (kind, b)
+        want = [(n_kv, n // n_kv) for k, n, n_kv, _ in self.widths.values() if k == "head" and n == a * b]
+        if kind == "head" and (a, b) in want:
+            return ("kv", a), ("group", b)
+        self.finding(
+            f"a reshape splits {a * b} {kind} into ({a}, {b})"
+            + (f", not kv-major {want[0]} (query head h reads kv head h // group)" if want else "")
+        )
+        return ("mix", a), ("mix", b)
+
+    def subtensor(self, x, out, idx_list):
+        lay, new, o = self.axes(x), [], 0
+        for ax in range(x.ndim):
+            entry = idx_list[ax] if ax < len(idx_list) else slice(None)
+            if not isinstance(entry, slice):
+                continue  # an integer index drops the axis
+            size, label = out.type.shape[o], lay[ax]
+            if label is None or size == x.type.shape[ax]:
+                new.append(label)
+            else:
+                kinds = {k for k, _ in label}
+                new.append(
+                    (("dim", size),) if kinds == {"dim"} else (("mix", size),) if kinds & {*HEAD_KINDS} else None
+                )
+            o += 1
+        return tuple(new)
+
+    def join(self, axis, parts, out):
+        new = list(self.merge(out, [self.axes(v) for v in parts]))
+        kinds = {k for v in parts for k, _ in (self.axes(v)[axis] or (("?", 0),))}
+        size = out.type.shape[axis]
+        new[axis] = (("dim", size),) if kinds == {"dim"} else (("mix", size),) if kinds & {*HEAD_KINDS} else None
+        return tuple(new)
+
+    def contract(self, node):
+        a, b = node.inputs
+        la, lb = self.axes(a), self.axes(b)
+        ca, cb = _contracted(node, 0, a.ndim), _contracted(node, 1, b.ndim)
+        if not (a in self.weighty or b in self.weighty):
+            for lay, ax in ((la, ca), (lb, cb)):
+                held = [f"{k} {s}" for k, s in (lay[ax] or ()) if k in HEAD_KINDS]
+                if held:
+                    self.finding(
+                        f"a matmul {a.type.shape} @ {b.type.shape} sums over an axis holding "
+                        f"{' × '.join(held)}: heads must stay apart, only head_dim is summed"
+                    )
+            for x, y in zip(la[:-2], lb[:-2]):
+                if x and y and {k for k, _ in x} != {k for k, _ in y}:
+                    self.finding(
+                        f"a matmul {a.type.shape} @ {b.type.shape} pairs {_axis(x)} of one side with {_axis(y)}"
+                    )
+        if a in self.weighty or b in self.weighty:
+            return None
+        if node.outputs[0].ndim == 2 and a.ndim == 2 and b.ndim == 2:
+            return (la[0], lb[1])
+        if a.ndim >= 2 and b.ndim >= 2:
+            batch = self.merge(node.outputs[0], [la[:-2] + (None, None), lb[:-2] + (None, None)])[:-2]
+            return batch + (la[-2], lb[-1])
+        return None
+
+
+def check_heads(ctx: Context, g: "GraphAudit"):
+    f, splits, merges = [], 0, 0
+    heads = sorted({(lay.attention.n_head, lay.attention.n_kv_head, lay.attention.head_dim) for lay in ctx.ir.layers})
+    for b in g.builds:
+        h = HeadLayouts(b, heads).run()
+        f += [x for x in h.f if x not in f]
+        splits, merges = max(splits, h.splits), max(merges, h.merges)
+    if not splits:
+        f.append("no reshape splits a projection of width n_head·head_dim into heads: the head layout is unchecked")
+    shown = "; ".join(f"n_head {n}, n_kv_head {k}, head_dim {d}" for n, k, d in heads)
+    return result(
+        "heads",
+        f,
+        (
+            f"{splits} reshapes split projections into (heads, head_dim) with static shapes ({shown}), query heads "
+            f"kv-major; {merges} merge heads back outer of head_dim; heads are followed through reshapes, transposes, "
+            "slices, joins and matmuls, and no matmul other than with a weight sums over heads"
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# coverage
+# ---------------------------------------------------------------------------------------------------
+def unread(b: Build) -> list[str]:
+    """TENSORS names whose input does not reach the outputs other than through its shape."""
+    from pytensor.tensor.shape import Shape, Shape_i
+
+    seen, stack = set(), list(b.outputs)
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v.owner is not None and not isinstance(v.owner.op, (Shape, Shape_i)):
+            stack.extend(v.owner.inputs)
+    return [name for name, var in b.weights.items() if var not in seen]
+
+
+def check_coverage(ctx: Context, g: "GraphAudit"):
+    f = []
+    for b in g.builds:
+        for name in unread(b):
+            msg = f"{name} is never read by forward (it does not reach the logits or the cache)"
+            if msg not in f:
+                f.append(msg)
+    ignored = len(getattr(ctx.ir, "ignored_tensors", ())) if ctx.ir is not None else 0
+    return result(
+        "coverage",
+        f,
+        (
+            f"all {len(ctx.tensors())} TENSORS entries reach the logits or the KV cache in the graph of forward"
+            + (" (float32 and quantized weights)" if len(g.builds) > 1 else "")
+            + "; forward reads no name outside TENSORS"
+            + (f"; {ignored} GGUF tensors ignored with a reason" if ignored else "")
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+GRAPH_CHECKS = {
+    "dequantization": check_dequantization,
+    "orientation": check_orientation,
+    "heads": check_heads,
+    "coverage": check_coverage,
+}
+NEEDS_IR = ("orientation", "heads")
+
+
+@dataclass
+class GraphAudit:
+    error: str | None = None  # why the module could not be imported
+    loader: list = field(default_factory=list)
+    builds: list = field(default_factory=list)
+    roles: dict = field(default_factory=dict)
+
+
+def graph_audit(ctx: Context) -> GraphAudit:
+    if ctx._graph is not None:
+        return ctx._graph
+    g = ctx._graph = GraphAudit()
+    tensors, kernel = ctx.tensors(), ctx.kernel_weights()
+    try:
+        module = load_isolated(ctx.src.text, ctx.src.path_name)
+    except Exception as e:  # noqa: BLE001
+        g.error = f"importing the module raised {type(e).__name__}: {e}"
+        return g
+    g.loader = probe_loader(module, tensors, kernel)
+    if ctx.ir is not None:
+        g.roles = {t.name: t.role for t in ctx.ir.tensors}
+        shapes = [(lay.attention.n_kv_head, lay.attention.head_dim) for lay in ctx.ir.layers]
+    else:
+        n_kv, head_dim, n_layer = (ctx.src.constant(n) for n in ("N_KV_HEAD", "HEAD_DIM", "N_LAYER"))
+        if not all(isinstance(v, int) for v in (n_kv, head_dim, n_layer)):
+            g.error = "not checked: needs the IR (give the GGUF) for the KV-cache shapes"
+            return g
+        shapes = [(n_kv, head_dim)] * n_layer
+    for quantized in (False, True) if kernel else (False,):
+        g.builds.append(build_forward(module, tensors, kernel, shapes, quantized))
+    return g
+
+
+def run_graph_check(name: str, ctx: Context):
+    from alchemist.audit.report import CheckResult
+
+    if not ctx.safe:
+        return CheckResult(name, False, "not checked: the module is imported only once the safety check passes")
+    if ctx.ir is None and name in NEEDS_IR:
+        return CheckResult(
+            name, False, "not checked: needs the IR (give the GGUF) for the tensors' roles and head sizes"
+        )
+    g = graph_audit(ctx)
+    if g.error:
+        return CheckResult(name, False, g.error)
+    errors = [b.error for b in g.builds if b.error]
+    if errors:
+        return result(name, errors + (g.loader if name == "dequantization" else []), "")
+    return GRAPH_CHECKS[name](ctx, g)
