@@ -389,15 +389,9 @@ def check_config(ctx: Context) -> CheckResult:
         facts = ctx.facts
         if src.constant("DATA_OFFSET") != facts.data_offset:
             f.append(f"DATA_OFFSET {src.constant('DATA_OFFSET')} != the GGUF data section offset {facts.data_offset}")
-        ignored = {n for n, _ in getattr(ctx.ir, "ignored_tensors", ())} if ctx.ir is not None else set()
-        inventory = {
-            n: (t.ggml_type, tuple(t.shape), t.offset, t.nbytes) for n, t in facts.tensors.items() if n not in ignored
-        }
+        inventory = {n: (t.ggml_type, tuple(t.shape), t.offset, t.nbytes) for n, t in facts.tensors.items()}
         _compare_tables(tensors, inventory, ctx.gguf_name, f)
-        compared.append(
-            f"TENSORS is {ctx.gguf_name}'s inventory (types, numpy shapes, offsets, sizes)"
-            + (f" less {len(ignored)} ignored with a reason" if ignored else "")
-        )
+        compared.append(f"TENSORS is {ctx.gguf_name}'s inventory (types, numpy shapes, offsets, sizes)")
     if not compared:
         compared.append("no GGUF/IR given: internal consistency only")
     ok = (
