@@ -29,6 +29,8 @@ from alchemist.runtime.engine import Engine  # noqa: E402
 # tests/test_kernels.py's job, and test_kernels_path below runs Q4_K through them). JAX and MLX, and the other
 # weight types, run on the four llama-like families; `alchemist families --validate` runs the whole matrix.
 FAMILY_TYPES = ("F32", "Q8_0", "Q4_K")
+PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
+CONTEXT = 64
 OTHER_TYPES = tuple(t for t in ("F16", *FIXTURE_QTYPES) if t not in FAMILY_TYPES)
 LLAMA_LIKE = ("llama", "qwen2", "qwen3", "gemma3")
 
