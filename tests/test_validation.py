@@ -94,24 +94,27 @@ def _validate_types(fixture_files, shared_engines, case, backend, wtypes, n_gen_
     return results
 
 
-def _check_family(fixture_files, shared_engines, case, backend):
+def _check_family(fixture_files, shared_engines, case, backend, n_greedy):
     results = _validate_types(fixture_files, shared_engines, case, backend, FAMILY_TYPES,
-                              lambda wtype: 32 if wtype == "F32" else 0)
-    # the exact fixture really was compared layer by layer (every layer's output included) and decoded
+                              lambda wtype: n_greedy if wtype == "F32" else 0)
+    # the exact fixture really was compared layer by layer (every layer's output included)
     layers = results["F32"]["layers"]
     assert layers["n_compared"] >= 2 * 4 and layers["max_nmse"] <= 1e-6, layers
-    assert results["F32"]["greedy"]["n_agree"] == 32
+    if n_greedy:
+        assert results["F32"]["greedy"]["n_agree"] == n_greedy
     assert not results["Q4_K"]["quantized_kernels"]
 
 
 @pytest.mark.parametrize("case", FIXTURES)
 def test_family_fixture_c(fixture_files, shared_engines, case):
-    _check_family(fixture_files, shared_engines, case, "c")
+    _check_family(fixture_files, shared_engines, case, "c", n_greedy=32)
 
 
 @pytest.mark.parametrize("case", FAMILIES)
 def test_family_fixture_numba(fixture_files, shared_engines, case):
-    _check_family(fixture_files, shared_engines, case, "numba")
+    # the prompt (prefill) graph and every layer output; decoding through the KV cache is the same graph at
+    # T = 1, checked on C above (Numba compiles each graph whole, so this halves its compile time)
+    _check_family(fixture_files, shared_engines, case, "numba", n_greedy=0)
 
 
 @pytest.mark.parametrize("backend", ("c", "numba"))
