@@ -173,8 +173,13 @@ def test_diff_names_the_first_divergent_op(fixture_files, tmp_path, monkeypatch)
     assert broken["first_divergence"] == "attn_norm-1"
 
 
+# Not strict: on an AVX2 VM (2026-12-04) the same module and GGUF gave 29/32 in one run and >= 31/32 in the next;
+# the disagreements sit at near-ties that llama.cpp's own 2-thread summation order decides. Any failure other
+# than the greedy bar (an exception, the prompt KL or top-1) still fails the test (raises=AssertionError checks
+# only the bar's assertion). #19 replaces this with the within-noise-tie check.
 QWEN_GREEDY = pytest.mark.xfail(
-    strict=True,
+    strict=False,
+    raises=AssertionError,
     reason="measured: 29/32 fresh-prefix greedy decisions agree on every backend (C, Numba, JAX, MLX; bar: 31); "
     "prompt KL/top-1 pass. Located with `alchemist diff` and numpy: from llama.cpp's own layer inputs, dequantize "
     "+ its Q8_0/Q8_K activation rounding reproduces its layer-0 q/k/v and layer-0/1 FFN outputs to NMSE ~1e-13, "
@@ -199,7 +204,8 @@ def test_reference_models(reference_models, name, backend, tmp_path):
     prompt = load_tokenizer(path).encode("What's causal inference? Causal inference is the study of how")
     report = validate_model(path, [backend], prompt=prompt, n_generate=32, context=128, n_threads=2, progress=None)
     res = report["backends"][backend]
+    others = [f for f in res["failures"] if not f.startswith("greedy:")]
+    if others or not res["prompt"]["mean_kl"] <= THRESHOLDS["mean_kl"] or not np.isfinite(res["prompt"]["mean_pearson"]):
+        pytest.fail(f"{others}; KL {res['prompt']['mean_kl']}")  # not an AssertionError: never excused by an xfail
+    assert res["greedy"]["n_agree"] >= 31, res["failures"]
     assert res["passed"], res["failures"]
-    assert res["prompt"]["mean_kl"] <= THRESHOLDS["mean_kl"]
-    assert res["greedy"]["n_agree"] >= 31
-    assert np.isfinite(res["prompt"]["mean_pearson"])
