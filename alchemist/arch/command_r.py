@@ -6,13 +6,19 @@ MLP, per-head q/k LayerNorm (one weight row per head, in the 64+-layer models), 
 """
 
 from alchemist.arch.family import Family, FixtureSpec
-from alchemist.arch.table import ATTN_NORM, ATTN_OUT, ATTN_QKV_SPLIT, FFN_GATED, OUTPUT_NORM, TOKEN_EMBD, T, optional
+from alchemist.arch.table import (
+    ATTN_NORM,
+    ATTN_OUT,
+    ATTN_QKV_SPLIT,
+    FFN_GATED,
+    OUTPUT_NORM,
+    QK_NORM_HEAD_ROWS,
+    TOKEN_EMBD,
+    optional,
+)
 from alchemist.ir import Activation, NormKind, RopeStyle, Wiring
 
-QK_NORM_PER_HEAD = optional(
-    T("blk.{il}.attn_q_norm.weight", "norm", "n_head", "head_dim"),
-    T("blk.{il}.attn_k_norm.weight", "norm", "n_kv_head", "head_dim"),
-)
+QK_NORM_PER_HEAD = optional(*QK_NORM_HEAD_ROWS)
 
 FAMILY = Family(
     name="command-r",

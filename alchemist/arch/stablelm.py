@@ -17,16 +17,14 @@ from alchemist.arch.table import (
     FFN_NORM_BIAS,
     OUTPUT_NORM,
     OUTPUT_NORM_BIAS,
+    QK_NORM_HEAD_ROWS,
     TOKEN_EMBD,
     T,
     optional,
 )
 from alchemist.ir import Activation, NormKind, RopeStyle, Wiring
 
-QK_NORM_PER_HEAD = optional(
-    T("blk.{il}.attn_q_norm.weight", "norm", "n_head", "head_dim"),
-    T("blk.{il}.attn_k_norm.weight", "norm", "n_kv_head", "head_dim"),
-)
+QK_NORM_PER_HEAD = optional(*QK_NORM_HEAD_ROWS)
 
 FAMILY = Family(
     name="stablelm",

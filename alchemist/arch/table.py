@@ -112,6 +112,10 @@ ATTN_OUT = (T(_blk("attn_output.weight"), "linear", "n_embd", "n_q"),)
 ATTN_OUT_BIAS = (T(_blk("attn_output.bias"), "bias", "n_embd"),)
 # q/k norms: over each head (one weight shared by the heads), or over the whole projection
 QK_NORM_HEAD = (T(_blk("attn_q_norm.weight"), "norm", "head_dim"), T(_blk("attn_k_norm.weight"), "norm", "head_dim"))
+QK_NORM_HEAD_ROWS = (  # one weight row per head (stablelm, command-r)
+    T(_blk("attn_q_norm.weight"), "norm", "n_head", "head_dim"),
+    T(_blk("attn_k_norm.weight"), "norm", "n_kv_head", "head_dim"),
+)
 QK_NORM_FULL = (T(_blk("attn_q_norm.weight"), "norm", "n_q"), T(_blk("attn_k_norm.weight"), "norm", "n_kv"))
 
 FFN_GATED = (
