@@ -232,6 +232,25 @@ def _cmd_diff(args) -> int:
     return 0
 
 
+def _cmd_explain(args) -> int:
+    from alchemist import load_llm
+    from alchemist.explain import draw, saliency
+
+    model = load_llm(args.model, backend=args.backend, context=args.context, compile_now=False)
+    prompt = [int(t) for t in args.prompt_tokens.split(",")] if args.prompt_tokens else args.prompt
+    target = [int(t) for t in args.target_tokens.split(",")] if args.target_tokens else args.target
+    if prompt is None or target is None:
+        raise AlchemistError("explain needs a prompt (--prompt or --prompt-tokens) and a target (--target or --target-tokens)")
+    print("building and compiling log p(target | prompt) and its gradient ...", file=sys.stderr, flush=True)
+    result = saliency(model, target, prompt)
+    print(result.table())
+    if args.output:
+        print(f"wrote {draw(result, args.output, title=f'{model.ir.model_name} [{model.backend}]')}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=2))
+    return 0
+
+
 def _cmd_tokenize(args) -> int:
     from alchemist.tokenizer import load_tokenizer
 
@@ -325,6 +344,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="diagnostic: round activations (and GELU) as llama.cpp's CPU backend does before comparing",
     )
     p.set_defaults(fn=_cmd_diff)
+
+    p = sub.add_parser("explain", help="per-token saliency (gradient x input) of log p(target | prompt)")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--prompt", help="the conditioning text (tokenized with BOS as the model adds it)")
+    p.add_argument("--target", help="the continuation whose log-probability is explained")
+    p.add_argument("--prompt-tokens", help="comma-separated token ids instead of --prompt")
+    p.add_argument("--target-tokens", help="comma-separated token ids instead of --target")
+    p.add_argument("--backend", default="c", choices=["c", "numba", "jax", "mlx"])
+    p.add_argument("--context", type=int, default=512, help="longest prompt + target (tokens)")
+    p.add_argument("-o", "--output", help="also draw the attributions (.png or .svg)")
+    p.add_argument("--json", help="also write the attributions as JSON")
+    p.set_defaults(fn=_cmd_explain)
 
     p = sub.add_parser("tokenize", help="print token ids and pieces for a text")
     p.add_argument("model", help=MODEL_HELP)

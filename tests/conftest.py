@@ -62,3 +62,26 @@ def reference_models():
 @pytest.fixture(scope="session")
 def all_families():
     return FAMILIES
+
+
+@pytest.fixture(scope="session")
+def fixture_files(tmp_path_factory):
+    """fixture_files(arch, weight_type) -> path; quantized files come from llama.cpp's own quantizer."""
+    from alchemist.harness import quantize_fixture
+
+    root = tmp_path_factory.mktemp("validation")
+    cache = {}
+
+    def get(arch, wtype):
+        if (arch, wtype) not in cache:
+            stem = arch.replace(":", "_")
+            if wtype in ("F32", "F16"):
+                cache[arch, wtype] = write_fixture(root / f"{stem}-{wtype}.gguf", arch, weight_type=wtype)
+            else:
+                src = get(arch, "F32")
+                dst = root / f"{stem}-{wtype}.gguf"
+                quantize_fixture(src, dst, wtype, nthread=1)
+                cache[arch, wtype] = dst
+        return cache[arch, wtype]
+
+    return get

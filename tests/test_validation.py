@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from alchemist.fixtures import FAMILIES, FIXTURES, write_fixture  # noqa: E402
-from alchemist.harness import FIXTURE_QTYPES, LlamaCppOracle, quantize_fixture  # noqa: E402
+from alchemist.fixtures import FAMILIES, FIXTURES  # noqa: E402
+from alchemist.harness import FIXTURE_QTYPES, LlamaCppOracle  # noqa: E402
 from alchemist.harness.validate import (  # noqa: E402
     THRESHOLDS,
     diff_model,
@@ -43,27 +43,6 @@ def test_thresholds_are_the_documented_bar():
         "mean_pearson": 0.999,
         "greedy_min_agree": 31 / 32,
     }
-
-
-@pytest.fixture(scope="session")
-def fixture_files(tmp_path_factory):
-    """fixture_files(arch, weight_type) -> path; quantized files come from llama.cpp's own quantizer."""
-    root = tmp_path_factory.mktemp("validation")
-    cache = {}
-
-    def get(arch, wtype):
-        if (arch, wtype) not in cache:
-            stem = arch.replace(":", "_")
-            if wtype in ("F32", "F16"):
-                cache[arch, wtype] = write_fixture(root / f"{stem}-{wtype}.gguf", arch, weight_type=wtype)
-            else:
-                src = get(arch, "F32")
-                dst = root / f"{stem}-{wtype}.gguf"
-                quantize_fixture(src, dst, wtype, nthread=1)
-                cache[arch, wtype] = dst
-        return cache[arch, wtype]
-
-    return get
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,30 @@ class LoadedModel:
     def context(self) -> int:
         return self.engine.capacity
 
+    # -- the model as PyTensor expressions (alchemist.symbolic) ------------------------------------
+    def symbolic_logits(self, ids, embeddings=None):
+        """Logits (T, n_vocab) of `ids` at positions 0..T-1 as a PyTensor expression over the model's weights."""
+        from alchemist.symbolic import symbolic_logits
+
+        return symbolic_logits(self, ids, embeddings)
+
+    def log_prob(self, text_or_ids, given=None, embeddings=None):
+        """log p(text_or_ids | given) as a scalar PyTensor expression (see alchemist.symbolic)."""
+        from alchemist.symbolic import log_prob
+
+        return log_prob(self, text_or_ids, given, embeddings)
+
+    def token_log_probs(self, text_or_ids, given=None, embeddings=None):
+        """Per-token log-probabilities of text_or_ids (given a prefix) as a PyTensor vector expression."""
+        from alchemist.symbolic import token_log_probs
+
+        return token_log_probs(self, text_or_ids, given, embeddings)
+
+    @property
+    def mode(self):
+        """The PyTensor compilation mode of this model's backend (for compiling symbolic expressions)."""
+        return self.engine.mode
+
 
 @dataclass
 class InferenceResult:
