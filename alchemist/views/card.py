@@ -105,7 +105,9 @@ def _layer_facts(lay: LayerSpec, ir: ModelIR) -> list[Fact]:
     if mlp.kind == MLPKind.PLAIN:
         kind = f"plain {act}"
     else:
-        kind = f"gated {act} ({GLU_NAMES[mlp.activation]})" + (", fused gate|up" if mlp.kind == MLPKind.FUSED_GATED else "")
+        kind = f"gated {act} ({GLU_NAMES[mlp.activation]})" + (
+            ", fused gate|up" if mlp.kind == MLPKind.FUSED_GATED else ""
+        )
     if mlp.up_bias:
         kind += " + biases"
 
@@ -279,7 +281,11 @@ class Box:
         import textwrap
 
         chars = int(WRAP * width / BOX_W)
-        wrap = [(labels, part) for labels, text in self.lines for part in textwrap.wrap(text, chars, subsequent_indent="    ")]
+        wrap = [
+            (labels, part)
+            for labels, text in self.lines
+            for part in textwrap.wrap(text, chars, subsequent_indent="    ")
+        ]
         return wrap
 
     def height(self, width: float) -> float:
@@ -296,7 +302,11 @@ def _boxes(ir: ModelIR) -> dict[str, Box]:
     f = {x.label: x.value for x in card_facts(ir)}
 
     def lines(*labels, bare=("output", "MLP")):
-        return [((lab,), f[lab] if lab in bare else f"{lab}: {f[lab]}") for lab in labels if f[lab] != "none" or lab == "q/k norm"]
+        return [
+            ((lab,), f[lab] if lab in bare else f"{lab}: {f[lab]}")
+            for lab in labels
+            if f[lab] != "none" or lab == "q/k norm"
+        ]
 
     def norm_box(key, label, tag):
         value = f[label]
@@ -340,8 +350,17 @@ def _draw_box(ax, box: Box, x: float, top: float, width: float, changed: set[str
     if box.small:
         title = box.title + (f"   ({box.tag})" if box.tag else "")
         weight = "bold" if box.tag else "normal"
-        ax.text(x, top - h / 2, title, ha="center", va="center", fontsize=10, fontweight=weight, zorder=3,
-                color=HIGHLIGHT if hit else "#222222")
+        ax.text(
+            x,
+            top - h / 2,
+            title,
+            ha="center",
+            va="center",
+            fontsize=10,
+            fontweight=weight,
+            zorder=3,
+            color=HIGHLIGHT if hit else "#222222",
+        )
         return top, top - h
     ax.text(x, top - 0.32, box.title, ha="center", va="center", fontsize=11, fontweight="bold", zorder=3)
     y = top - TITLE_H - 0.12
@@ -363,9 +382,7 @@ def _draw_box(ax, box: Box, x: float, top: float, width: float, changed: set[str
 
 
 def _arrow(ax, x0, y0, x1, y1):
-    ax.annotate(
-        "", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="-|>", color="#444444", lw=1.2), zorder=1
-    )
+    ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="-|>", color="#444444", lw=1.2), zorder=1)
 
 
 def _add(ax, x, y, r=0.22):
@@ -414,12 +431,26 @@ def draw(ax, ir: ModelIR, title: str, changed: set[str]) -> float:
     block_top = y
     frame_x0, frame_x1 = skip_x - 0.35, cx + BOX_W / 2 + 0.3
     hit = "wiring" in changed
-    for label, text, x, ha in (("layers", f"× {ir.n_layer} layers", frame_x0 + 0.2, "left"),
-                               ("wiring", facts["wiring"].split(":")[0] + (facts["wiring"].split(";")[1:] or [""])[0],
-                                frame_x1 - 0.2, "right")):
+    for label, text, x, ha in (
+        ("layers", f"× {ir.n_layer} layers", frame_x0 + 0.2, "left"),
+        (
+            "wiring",
+            facts["wiring"].split(":")[0] + (facts["wiring"].split(";")[1:] or [""])[0],
+            frame_x1 - 0.2,
+            "right",
+        ),
+    ):
         red = label in changed
-        ax.text(x, block_top - 0.12, text, ha=ha, va="top", fontsize=9, color=HIGHLIGHT if red else "#444444",
-                fontweight="bold" if red or label == "layers" else "normal")
+        ax.text(
+            x,
+            block_top - 0.12,
+            text,
+            ha=ha,
+            va="top",
+            fontsize=9,
+            color=HIGHLIGHT if red else "#444444",
+            fontweight="bold" if red or label == "layers" else "normal",
+        )
     y = block_top - 0.55
     ax.plot([cx, cx], [block_top, y], **line)
     if parallel:
