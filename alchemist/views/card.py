@@ -131,9 +131,10 @@ def _layer_facts(lay: LayerSpec, ir: ModelIR) -> list[Fact]:
 
 
 def _period(values: list) -> int:
-    """The smallest p such that values[i] == values[i % p] for every layer."""
+    """The smallest p such that values[i] == values[i % p] for every layer and the pattern shows at least twice
+    (else the number of layers: no repeating pattern)."""
     n = len(values)
-    return next(p for p in range(1, n + 1) if all(values[i] == values[i % p] for i in range(n)))
+    return next((p for p in range(1, n // 2 + 1) if all(values[i] == values[i % p] for i in range(n))), n)
 
 
 def _runs(values: list) -> list[tuple[object, int]]:
