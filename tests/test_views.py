@@ -186,14 +186,12 @@ def test_layer_graph_render_without_dot_says_to_install_graphviz(monkeypatch, tm
 # alchemist card
 # ---------------------------------------------------------------------------------------------------
 def test_windows_and_per_layer_values_are_summarized_compactly():
-    assert card._windows([512] * 5 + [0]) == "5 local : 1 global, window 512 (5 local, 1 global layers)"
+    assert card._windows([512] * 5 + [0]) == "5 local : 1 global, window 512 (5 local, 1 global)"
     # gemma3-1b: 26 layers, the pattern's last period cut short
-    assert card._windows(([512] * 5 + [0]) * 4 + [512] * 2) == (
-        "5 local : 1 global, window 512 (22 local, 4 global layers)"
-    )
+    assert card._windows(([512] * 5 + [0]) * 4 + [512] * 2) == ("5 local : 1 global, window 512 (22 local, 4 global)")
     assert card._windows([0] * 4) == "none (every layer global)"
     assert card._windows([4096] * 4) == "every layer, window 4096"
-    assert card._windows([8, 0, 0, 8, 8]) == "pattern LGGLL (L local, G global), window 8 (3 local, 2 global layers)"
+    assert card._windows([8, 0, 0, 8, 8]) == "pattern LGGLL (L local, G global), window 8 (3 local, 2 global)"
     local = [True] * 5 + [False]
     assert card._over_layers(["10000"] * 5 + ["1000000"], local) == "local 10000; global 1000000"
     nope = ["norm", "norm", "norm", "none"] * 3  # smollm3: no RoPE every 4th layer
@@ -205,7 +203,7 @@ def test_card_text_of_one_model(tiny_gguf):
     facts = dict(re.findall(r"^  (\S.*?)\s{2,}(\S.*)$", text, re.M))
     assert facts["family"] == "gemma3" and facts["layers"] == "2" and facts["n_embd"] == "256"
     assert facts["MLP"] == "gated GELU-tanh (GeGLU)"
-    assert facts["sliding window"] == "1 local : 1 global, window 8 (1 local, 1 global layers)"
+    assert facts["sliding window"] == "1 local : 1 global, window 8 (1 local, 1 global)"
     assert facts["post norms"] == "RMSNorm after attention and MLP (sandwich)"
     assert facts["q/k norm"] == "RMSNorm per head"
     assert facts["embedding scale"] == "×√n_embd = 16"
@@ -217,7 +215,7 @@ def test_card_diff_gemma3_vs_llama_lists_the_known_differences(tiny_gguf):
     rows = {m[0]: (m[1], m[2]) for m in re.findall(r"^  (\S.*?)\s{2,}(\S.*?)\s{3,}(\S.*)$", text, re.M)}
     assert rows["MLP"] == ("gated GELU-tanh (GeGLU)", "gated SiLU (SwiGLU)")
     assert rows["sliding window"] == (
-        "1 local : 1 global, window 8 (1 local, 1 global layers)",
+        "1 local : 1 global, window 8 (1 local, 1 global)",
         "none (every layer global)",
     )
     assert rows["q/k norm"] == ("RMSNorm per head", "none")
@@ -261,6 +259,6 @@ def test_card_bad_input_is_a_clear_error(tiny_gguf, tmp_path, capsys):
 @pytest.mark.slow
 def test_card_reference_models(reference_models):
     text = card.run_card(["gemma-3-270m", "qwen2.5-coder-0.5b"], None)
-    assert re.search(r"sliding window\s+5 local : 1 global, window 512 \(15 local, 3 global layers\)\s+none", text)
+    assert re.search(r"sliding window\s+5 local : 1 global, window 512 \(15 local, 3 global\)\s+none", text)
     assert re.search(r"RoPE base\s+local 10000; global 1000000\s+1000000", text)
     assert re.search(r"heads\s+4 query, 1 KV \(MQA\)\s+14 query, 2 KV \(GQA 7:1\)", text)

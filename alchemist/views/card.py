@@ -164,7 +164,7 @@ def _windows(windows: list[int]) -> str:
         pattern = " : ".join(f"{k} {v}" for v, k in runs)
     else:
         pattern = "pattern " + "".join("L" if k == "local" else "G" for k in period) + " (L local, G global)"
-    return f"{pattern}, {size} ({n_local} local, {n - n_local} global layers)"
+    return f"{pattern}, {size} ({n_local} local, {n - n_local} global)"
 
 
 def _over_layers(values: list[str], local: list[bool]) -> str:
@@ -264,6 +264,7 @@ FILL = {
 }
 HIGHLIGHT = "#d62728"
 BOX_W = 7.6  # data units; the axes span 0..10 horizontally
+FIG_W = 7.2  # inches per model: 10.4 data units
 LINE_H = 0.42
 TITLE_H = 0.55
 
@@ -296,7 +297,7 @@ class Box:
         return {lab for labels, _ in self.lines for lab in labels}
 
 
-WRAP = 60  # characters per line in a box of width BOX_W
+WRAP = 68  # characters per line in a box of width BOX_W (bold text is the widest)
 
 
 def _boxes(ir: ModelIR) -> dict[str, Box]:
@@ -386,11 +387,10 @@ def _arrow(ax, x0, y0, x1, y1):
     ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="-|>", color="#444444", lw=1.2), zorder=1)
 
 
-def _add(ax, x, y, r=0.22):
-    from matplotlib.patches import Circle
-
-    ax.add_patch(Circle((x, y), r, facecolor="white", edgecolor="#444444", lw=1.2, zorder=3))
-    ax.text(x, y - 0.01, "+", ha="center", va="center", fontsize=12, zorder=4)
+def _add(ax, x, y):
+    """The residual add: a circled plus (a marker, so that it stays round whatever the axes' aspect)."""
+    ax.plot([x], [y], marker="o", markersize=15, markerfacecolor="white", markeredgecolor="#444444", mew=1.2, zorder=3)
+    ax.plot([x], [y], marker="+", markersize=10, markeredgecolor="#222222", mew=1.3, zorder=4)
 
 
 def draw(ax, ir: ModelIR, title: str, changed: set[str]) -> float:
@@ -520,13 +520,13 @@ def write_card(irs: list[ModelIR], titles: list[str], out: Path) -> Path:
 
     changed = {a.label for a, _ in diff_facts(*irs)} if len(irs) == 2 else set()
     with plt.rc_context({"svg.hashsalt": "alchemist-card", "font.family": "DejaVu Sans"}):
-        fig, axes = plt.subplots(1, len(irs), figsize=(6.6 * len(irs), 12), squeeze=False)
+        fig, axes = plt.subplots(1, len(irs), figsize=(FIG_W * len(irs), 12), squeeze=False)
         depth = min(draw(ax, ir, title, changed) for ax, ir, title in zip(axes[0], irs, titles))
         for ax in axes[0]:
             ax.set_xlim(0, 10.4)
             ax.set_ylim(depth - 0.2, 0.1)
             ax.axis("off")
-        fig.set_size_inches(6.6 * len(irs), (0.3 - depth) * 0.47)
+        fig.set_size_inches(FIG_W * len(irs), (0.3 - depth) * 0.47)
         fig.subplots_adjust(left=0, right=1, top=1, bottom=0, wspace=0.02)
         if changed:
             fig.text(0.5, 0.0, "red: differs between the two models", ha="center", va="top", color=HIGHLIGHT)

@@ -380,8 +380,8 @@ SHAPE_OPS = (
 
 
 LEGEND = (
-    "orange: matmuls (quantized kernels, BLAS)   purple: fused elementwise (Composite)   blue: elementwise   "
-    "green: reductions   grey: shapes and indexing   bold border: in place   yellow: weights"
+    "orange: matmuls (quantized kernels, BLAS)   purple: fused elementwise (Composite)   blue: elementwise\n"
+    "green: reductions   grey: shapes and indexing   yellow: weights   bold border: writes in place"
 )
 
 
