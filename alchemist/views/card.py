@@ -267,6 +267,7 @@ BOX_W = 7.6  # data units; the axes span 0..10 horizontally
 FIG_W = 7.2  # inches per model: 10.4 data units
 LINE_H = 0.42
 TITLE_H = 0.55
+WRAP = 68  # characters per line in a box of width BOX_W (bold text is the widest)
 
 
 @dataclass
@@ -275,7 +276,7 @@ class Box:
     title: str
     lines: list[tuple[tuple[str, ...], str]]  # (the fact labels a line shows, its text)
     fill: str
-    tag: str = ""  # a grey note after the title of a one-line box ("pre-norm")
+    tag: str = ""  # what a one-line box is, after its title ("pre-norm")
     small: bool = False  # a one-line box: the title only
 
     def wrapped(self, width: float) -> list[tuple[tuple[str, ...], str]]:
@@ -283,21 +284,15 @@ class Box:
         import textwrap
 
         chars = int(WRAP * width / BOX_W)
-        wrap = [
-            (labels, part)
-            for labels, text in self.lines
-            for part in textwrap.wrap(text, chars, subsequent_indent="    ")
+        return [
+            (labels, part) for labels, text in self.lines for part in textwrap.wrap(text, chars, subsequent_indent="  ")
         ]
-        return wrap
 
     def height(self, width: float) -> float:
         return 0.55 if self.small else TITLE_H + LINE_H * len(self.wrapped(width)) + 0.2
 
     def labels(self) -> set[str]:
         return {lab for labels, _ in self.lines for lab in labels}
-
-
-WRAP = 68  # characters per line in a box of width BOX_W (bold text is the widest)
 
 
 def _boxes(ir: ModelIR) -> dict[str, Box]:
@@ -321,7 +316,9 @@ def _boxes(ir: ModelIR) -> dict[str, Box]:
     return {
         "tokens": Box("io", "tokens", [], FILL["io"], small=True),
         "embedding": Box("embedding", "Token embedding", emb, FILL["embedding"]),
-        "attn_norm": norm_box("attn_norm", "pre norms", "pre-norm"),
+        "attn_norm": norm_box(
+            "attn_norm", "pre norms", "pre-norm" + (", shared" if "shared" in f["pre norms"] else "")
+        ),
         "attention": Box("attention", "Attention", att, FILL["attention"]),
         "post_norm": norm_box("post_norm", "post norms", "post-norm" + (", sandwich" if "sandwich" in post else "")),
         "mlp": Box("mlp", "MLP", lines("MLP", "n_ff"), FILL["mlp"]),
