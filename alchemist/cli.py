@@ -262,6 +262,31 @@ def _cmd_tokenize(args) -> int:
     return 0
 
 
+def _cmd_graph(args) -> int:
+    from alchemist.views.layer_graph import run_graph
+
+    print(
+        run_graph(
+            args.model,
+            args.layer,
+            rewrites=args.rewrites,
+            backend=args.backend,
+            fmt=args.format,
+            output=args.output,
+            n_tokens=args.tokens,
+            capacity=args.capacity,
+        )
+    )
+    return 0
+
+
+def _cmd_card(args) -> int:
+    from alchemist.views.card import run_card
+
+    print(run_card(args.models, args.output))
+    return 0
+
+
 MODEL_HELP = "a GGUF file, or a reference model name: gemma-3-270m, qwen2.5-coder-0.5b"
 
 
@@ -362,6 +387,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text")
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.set_defaults(fn=_cmd_tokenize)
+
+    p = sub.add_parser("graph", help="one layer's PyTensor graph, before or after a backend's rewrites")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--layer", type=int, default=0, help="layer index (default 0)")
+    p.add_argument("--rewrites", action="store_true", help="the graph after the backend's rewrites, with a summary")
+    p.add_argument("--backend", default="c", help="c, numba, jax or mlx (default c)")
+    p.add_argument("--format", default=None, help="text, dot, png or svg (default: from -o's extension, else text)")
+    p.add_argument("--tokens", type=int, default=1, help="tokens per step (default 1: decode)")
+    p.add_argument("--capacity", type=int, default=16, help="KV cache rows (default 16)")
+    p.add_argument("-o", "--output", help="write to this file instead of stdout")
+    p.set_defaults(fn=_cmd_graph)
+
+    p = sub.add_parser("card", help="the architecture's block diagram; two models: what differs")
+    p.add_argument("models", nargs="+", metavar="MODEL", help=MODEL_HELP + " (one, or two to compare)")
+    p.add_argument("-o", "--output", help="draw the card(s) into this .png or .svg")
+    p.set_defaults(fn=_cmd_card)
 
     try:
         from alchemist.audit.cli import register as register_audit
