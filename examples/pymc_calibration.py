@@ -95,7 +95,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with pm_model:
         if args.method == "map":
-            point = pm.find_MAP(progressbar=False, compile_kwargs=compile_kwargs, seed=args.seed)
+            point = pm.find_MAP(
+                progressbar=False,
+                compile_kwargs=compile_kwargs,
+                random_seed=args.seed,
+                jitter=False,
+                return_inferencedata=False,
+            )
             tau, offset, llm = float(point["tau"]), np.atleast_1d(point["offset"]), point["llm_log_prob"]
             print(f"MAP after {time.perf_counter() - t0:.1f} s: tau = {tau:.3f}, offset = {np.round(offset, 3).tolist()}")
         else:
