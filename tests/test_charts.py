@@ -128,6 +128,11 @@ def test_diff_chart_marks_the_first_divergent_layer(first_layer, tmp_path, png_s
     # x: the layer, plus a small offset for the kind's place in the layer's evaluation order
     assert len(ring) == 1 and round(ring[0].get_xdata()[0]) == first_layer
     assert ring[0].get_ydata()[0] == pytest.approx(dict(diff["rows"])[diff["first_divergence"]])
+    # the heatmap outlines the same cell: the first divergence's layer (column) and kind (row)
+    from matplotlib.patches import Rectangle
+
+    boxes = [b for b in fig.axes[1].patches if isinstance(b, Rectangle) and not b.get_fill()]
+    assert [(b.get_x() + 0.5, b.get_y()) for b in boxes] == [(first_layer, 2)]  # rows: inp_embd, attn_norm, Qcur
     notes = [t.get_text() for t in fig.axes[0].texts]
     assert any(f"first divergent op: Qcur-{first_layer}" in t for t in notes)
     assert f"Qcur-{first_layer}" in fig.get_suptitle()

@@ -202,6 +202,24 @@ def test_diff_names_the_first_divergent_op(fixture_files, tmp_path, monkeypatch,
     assert ring[0].get_ydata()[0] == pytest.approx(dict(broken["rows"])["attn_norm-1"])
 
 
+def test_cli_reports_with_charts(fixture_files, tmp_path, capsys, png_size):
+    """`alchemist validate` and `alchemist diff` write JSON + markdown + PNG side by side, the PNG linked."""
+    from alchemist.cli import main
+
+    path = str(fixture_files("llama", "F32"))
+    tokens = ",".join(map(str, PROMPT[:6]))
+    assert main(["diff", path, "--tokens", tokens, "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no tensor exceeds NMSE 1.0e-06" in out and "llama_f32_diff_c.png" in out
+    assert main(["validate", path, "--backend", "c", "--tokens", tokens, "--generate", "4", "-o", str(tmp_path)]) == 0
+    assert "validation PASSED" in capsys.readouterr().out
+    for stem, png in (("llama_f32_diff_c", "llama_f32_diff_c.png"), ("llama_f32", "llama_f32_c.png")):
+        assert f"]({png})" in (tmp_path / f"{stem}.md").read_text()
+        png_size(tmp_path / png)
+    diff = json.loads((tmp_path / "llama_f32_diff_c.json").read_text())
+    assert diff["first_divergence"] is None and diff["chart"] == "llama_f32_diff_c.png" and len(diff["rows"]) >= 8
+
+
 # Not strict: on an AVX2 VM (2026-12-04) the same module and GGUF gave 29/32 in one run and >= 31/32 in the next;
 # the disagreements sit at near-ties that llama.cpp's own 2-thread summation order decides. Any failure other
 # than the greedy bar (an exception, the prompt KL or top-1) still fails the test (raises=AssertionError checks

@@ -52,6 +52,13 @@ def _save(fig, path) -> Path:
     return path
 
 
+def _wrap(lines: list[str], width: int) -> str:
+    """Subtitle lines, each wrapped so that none runs off the figure."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width, break_on_hyphens=False) for line in lines)
+
+
 def _floor(values, fallback: float) -> float:
     """Where a log axis draws zeros: a decade below the smallest positive value."""
     positive = [v for v in values if v is not None and math.isfinite(v) and v > 0]
@@ -119,19 +126,24 @@ def _validation_figure(report: dict, backend: str):
     ]
     if res["failures"]:
         sub.append("failures: " + "; ".join(res["failures"]))
-    axes[0].set_title("\n".join(sub), fontsize=9, loc="left")
+    axes[0].set_title(_wrap(sub, 150), fontsize=9, loc="left")
 
     # KL, log scale (bit-identical rows are 0: drawn at the floor)
+    groups = {"series": [], "kl": [], "pearson": []}  # legend entries
     ax = axes[0]
     all_kl = [v for s in series.values() for v in s["kl"]]
     floor = _floor(all_kl + [th["mean_kl"]], 1e-12)
     for key, s in series.items():
-        ax.plot(xs[key], _on_log(s["kl"], floor), "o-", ms=3.5, lw=1, color=colors[key], label=labels[key])
+        groups["series"] += ax.plot(
+            xs[key], _on_log(s["kl"], floor), "o-", ms=3.5, lw=1, color=colors[key], label=labels[key]
+        )
     bar_label = f"bar: mean KL ≤ {th['mean_kl']:g}" + (" (quantized weights)" if exact else "")
-    ax.axhline(th["mean_kl"], color=BAR_COLOR, ls="--", lw=1.2, label=bar_label)
+    kl_bar = ax.axhline(th["mean_kl"], color=BAR_COLOR, ls="--", lw=1.2, label=bar_label)
     for key, s in series.items():
         mean = sum(s["kl"]) / len(s["kl"])
-        ax.axhline(max(mean, floor), color=colors[key], ls=":", lw=1, label=f"{key} mean KL {mean:.2e}")
+        groups["kl"].append(
+            ax.axhline(max(mean, floor), color=colors[key], ls=":", lw=1, label=f"{key} mean KL {mean:.2e}")
+        )
     ax.set_yscale("log")
     ax.set_ylabel("KL(llama.cpp ‖ ours)\nnats")
     if any(v is not None and v <= floor for v in all_kl):
@@ -144,7 +156,12 @@ def _validation_figure(report: dict, backend: str):
     floor_p = _floor([v for vs in one_minus.values() for v in vs] + [bar], 1e-12)
     for key in series:
         ax.plot(xs[key], _on_log(one_minus[key], floor_p), "o-", ms=3.5, lw=1, color=colors[key])
-    ax.axhline(bar, color=BAR_COLOR, ls="--", lw=1.2, label=f"bar: mean Pearson ≥ {th['mean_pearson']:g}")
+        finite = [v for v in one_minus[key] if v is not None]
+        mean = sum(finite) / max(len(finite), 1)
+        label = f"{key} mean Pearson {1 - mean:.6f}"
+        groups["pearson"].append(ax.axhline(max(mean, floor_p), color=colors[key], ls=":", lw=1, label=label))
+    label = f"bar: mean Pearson ≥ {th['mean_pearson']:g}"
+    groups["pearson"].append(ax.axhline(bar, color=BAR_COLOR, ls="--", lw=1.2, label=label))
     ax.set_yscale("log")
     ax.set_ylabel("1 − Pearson\n(logits)")
 
@@ -154,9 +171,8 @@ def _validation_figure(report: dict, backend: str):
         if s.get("top10_overlap") is not None:
             ax.plot(xs[key], s["top10_overlap"], "o-", ms=3.5, lw=1, color=colors[key])
     ax.set_ylim(-0.5, 12.2)
-    ax.set_yticks([0, 2, 4, 6, 8, 10])
+    ax.set_yticks([0, 2, 4, 6, 8, 10, 11.35], ["0", "2", "4", "6", "8", "10", "top-1"])
     ax.set_ylabel("top-10 overlap\n(of 10)")
-    ax.text(0.002, 11.35, "top-1:", fontsize=8, va="center", ha="right", transform=ax.get_yaxis_transform())
     marked = {"agree": False, "decisive": False, "near": False}
     for key, s in series.items():
         for x, agree, tie in zip(xs[key], s["top1_agree"], s["near_tie"]):
@@ -184,7 +200,8 @@ def _validation_figure(report: dict, backend: str):
     # one legend for the three panels, under them
     from matplotlib.lines import Line2D
 
-    handles = [h for a in axes[:2] for h in a.get_legend_handles_labels()[0]]
+    groups["kl"].append(kl_bar)
+    handles = groups["series"]
     handles.append(Line2D([], [], color="0.3", marker="|", ms=9, mew=1.5, ls="", label="top-1 agrees"))
     if marked["decisive"]:
         handles.append(Line2D([], [], color=FAIL_COLOR, marker="X", ls="-", label="top-1 differs (decisive: fails)"))
@@ -199,7 +216,12 @@ def _validation_figure(report: dict, backend: str):
                 label=f"top-1 differs at a near-tie (< {th['near_tie']:g})",
             )
         )
-    fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
+    # three columns (series and top-1 marks | KL | Pearson), padded with blanks so no group spills over
+    columns = [handles, groups["kl"], groups["pearson"]]
+    rows = max(len(c) for c in columns)
+    blank = Line2D([], [], ls="", label=" ")
+    ordered = [h for c in columns for h in c + [blank] * (rows - len(c))]
+    fig.legend(handles=ordered, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     return fig
 
 
@@ -237,7 +259,13 @@ def diff_chart(diff: dict, path) -> Path:
 
 
 def _diff_figure(diff: dict):
+    """Top: one line per kind over the layers (a layer's kinds spread left to right in evaluation order), the
+    tolerance, the first divergence circled and annotated. Bottom: the same numbers as a kinds x layers heatmap,
+    readable when the lines crowd; the first divergent cell outlined."""
     from matplotlib import colormaps
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.ticker import FuncFormatter
+    from matplotlib.patches import Rectangle
 
     rows = [(n, float(v)) for n, v in diff["rows"]]
     if not rows:
@@ -246,21 +274,24 @@ def _diff_figure(diff: dict):
     by_kind, xs, n_layer = diff_layout(rows)
     floor = _floor([v for _, v in rows] + [tol], tol * 1e-6)
     ceiling = max([v for _, v in rows if math.isfinite(v)] + [tol])
+    kinds = list(by_kind)
 
-    fig = _figure(11.5, 6.6)
-    ax = fig.subplots()
+    fig = _figure(12.0, 5.6 + 0.19 * len(kinds))
+    ax, heat = fig.subplots(2, 1, sharex=True, height_ratios=[4.4, 0.19 * len(kinds) + 0.2])
     cmap = colormaps["tab20"]
     markers = "os^vD<>pPh*X"
-    width = 0.6  # a layer's kinds spread left to right in evaluation order
-    dodge = {kind: (i / max(len(by_kind) - 1, 1) - 0.5) * width for i, kind in enumerate(by_kind)}
+    width = 0.6
+    dodge = {kind: (i / max(len(kinds) - 1, 1) - 0.5) * width for i, kind in enumerate(kinds)}
     for i, (kind, pts) in enumerate(by_kind.items()):
         x = [p[0] + dodge[kind] for p in pts]
         y = [min(v, ceiling * 10) for v in _on_log([p[1] for p in pts], floor)]
         style = "-" if len(pts) > 1 else ""
-        ax.plot(x, y, style, marker=markers[i % len(markers)], ms=4.5, lw=1.1, color=cmap(i % 20), label=kind)
+        ax.plot(x, y, style, marker=markers[i % len(markers)], ms=4, lw=1.0, color=cmap(i % 20), label=kind)
     ax.axhline(tol, color=BAR_COLOR, ls="--", lw=1.3, label=f"tolerance {tol:.0e}")
     ax.set_yscale("log")
-    ax.set_ylabel("NMSE vs llama.cpp  (Σ(ours − theirs)² / Σ theirs²)")
+    lo, hi = floor / 3, ceiling * 3
+    ax.set_ylim(lo, hi)
+    ax.set_ylabel("NMSE vs llama.cpp\nΣ(ours − theirs)² / Σ theirs²")
     ticks = list(range(n_layer))
     names = [str(t) for t in ticks]
     if any(x == -1 for x in xs.values()):
@@ -268,22 +299,15 @@ def _diff_figure(diff: dict):
     if any(x == n_layer for x in xs.values()):
         ticks, names = ticks + [n_layer], names + ["out"]
     step = max(1, math.ceil(len(ticks) / 30))
-    ax.set_xticks(ticks[::step], names[::step])
-    ax.set_xlabel("layer")
-    ax.set_xlim(min(ticks) - 0.6, max(ticks) + 0.6)
+    heat.set_xticks(ticks[::step], names[::step])
+    heat.set_xlabel("layer")
+    ax.set_xlim(min(ticks) - 0.5, max(ticks) + 0.5)
     ax.grid(True, axis="y", which="major", alpha=0.3)
     for boundary in ticks[:-1]:
         ax.axvline(boundary + 0.5, color="0.85", lw=0.8, zorder=0)
     if any(v <= floor for _, v in rows):
-        ax.text(
-            0.995,
-            0.015,
-            f"0 (bit-identical) drawn at {floor:.0e}",
-            transform=ax.transAxes,
-            ha="right",
-            fontsize=8,
-            color="0.4",
-        )
+        note = f"0 (bit-identical) drawn at {floor:.0e}"
+        ax.text(0.995, 0.015, note, transform=ax.transAxes, ha="right", fontsize=8, color="0.4")
 
     verdict = f"first divergence: {first}" if first else f"no tensor over {tol:.0e}"
     fig.suptitle(
@@ -297,38 +321,71 @@ def _diff_figure(diff: dict):
         f"numerics {diff.get('numerics', 'exact')}; prompt {diff.get('prompt_tokens', '?')} tokens; "
         f"{len(rows)} tensors in llama.cpp's evaluation order"
     )
-    ax.set_title(detail, fontsize=9, loc="left")
-    if first:
-        value = dict(rows)[first]
-        x, y = xs[first] + dodge[split_name(first)[0]], min(max(value, floor), ceiling * 10)
-        ax.plot([x], [y], "o", ms=16, mfc="none", mec=FAIL_COLOR, mew=2.2, zorder=5, gid="first-divergence")
-        ax.axvspan(xs[first] - 0.5, xs[first] + 0.5, color=FAIL_COLOR, alpha=0.07, lw=0, zorder=0)
-        order = [n for n, _ in rows]
-        before = order[order.index(first) - 1] if order.index(first) > 0 else None
-        note = f"first divergent op: {first}\nNMSE {value:.2e} > {tol:.0e}"
-        if before:
-            note += f"\n(after {before}: {dict(rows)[before]:.1e})"
-        right = x > (min(ticks) + max(ticks)) / 2
-        ax.annotate(
-            note,
-            xy=(x, y),
-            xytext=(-20 if right else 20, -55),
-            textcoords="offset points",
-            ha="right" if right else "left",
-            fontsize=9,
-            color=FAIL_COLOR,
-            bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": FAIL_COLOR, "alpha": 0.9},
-            arrowprops={"arrowstyle": "->", "color": FAIL_COLOR},
-            zorder=6,
-        )
+    ax.set_title(_wrap([detail], 140), fontsize=9, loc="left")
     ax.legend(
-        loc="center left",
-        bbox_to_anchor=(1.01, 0.5),
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
         fontsize=8,
         title="tensor (llama.cpp name)",
         title_fontsize=8,
-        ncol=1 if len(by_kind) <= 24 else 2,
+        ncol=1 if len(kinds) <= 24 else 2,
     )
+
+    # the heatmap: kinds (evaluation order, top to bottom) x layers
+    import numpy as np
+
+    # colour: log10 NMSE on a diverging scale centred on the tolerance (blue below, red above); far-below
+    # values share the darkest blue
+    col = {t: j for j, t in enumerate(ticks)}
+    grid = np.full((len(kinds), len(ticks)), np.nan)
+    for i, kind in enumerate(kinds):
+        for x, v in by_kind[kind]:
+            grid[i, col[x]] = math.log10(min(max(v, floor), ceiling)) if math.isfinite(v) else math.log10(ceiling)
+    center = math.log10(tol)
+    norm = TwoSlopeNorm(vcenter=center, vmin=center - 4, vmax=max(math.log10(ceiling), center + 1))
+    edges_x = [t - 0.5 for t in ticks] + [ticks[-1] + 0.5]
+    mesh = heat.pcolormesh(edges_x, range(len(kinds) + 1), grid, cmap="RdBu_r", norm=norm)
+    heat.set_ylim(len(kinds), 0)
+    heat.set_yticks([i + 0.5 for i in range(len(kinds))], kinds, fontsize=7)
+    # beside the heatmap, in the room the legend above keeps free anyway
+    bar = fig.colorbar(mesh, cax=heat.inset_axes([1.012, 0.0, 0.014, 1.0]), extend="min")
+    bar.set_label("NMSE", fontsize=8)
+    bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"1e{v:.0f}" if float(v).is_integer() else ""))
+    bar.ax.tick_params(labelsize=7)
+    bar.ax.axhline(center, color="black", lw=1.5)
+
+    if first:
+        value = dict(rows)[first]
+        kind, _ = split_name(first)
+        x, y = xs[first] + dodge[kind], min(max(value, floor), ceiling * 10)
+        ax.plot([x], [y], "o", ms=15, mfc="none", mec=FAIL_COLOR, mew=2.2, zorder=5, gid="first-divergence")
+        for a in (ax, heat):
+            a.axvspan(xs[first] - 0.5, xs[first] + 0.5, color=FAIL_COLOR, alpha=0.07, lw=0, zorder=0)
+        heat.add_patch(
+            Rectangle((xs[first] - 0.5, kinds.index(kind)), 1, 1, fill=False, ec="black", lw=2.2, zorder=5)
+        )
+        order = [n for n, _ in rows]
+        before = order[order.index(first) - 1] if order.index(first) > 0 else None
+        note = f"first divergent op: {first}\nNMSE {value:.2e} > tolerance {tol:.0e}"
+        if before:
+            note += f"\nthe tensor before it, {before}: {dict(rows)[before]:.1e}"
+        # the note goes into the emptier half, away from the circled point
+        xfrac = (x - (min(ticks) - 0.5)) / (max(ticks) - min(ticks) + 1)
+        yfrac = (math.log10(y) - math.log10(lo)) / (math.log10(hi) - math.log10(lo))
+        right = xfrac > 0.6
+        ax.annotate(
+            note,
+            xy=(x, y),
+            xytext=(xfrac + (-0.04 if right else 0.04), 0.1 if yfrac > 0.5 else 0.9),
+            textcoords="axes fraction",
+            ha="right" if right else "left",
+            va="bottom" if yfrac > 0.5 else "top",
+            fontsize=9,
+            color=FAIL_COLOR,
+            bbox={"boxstyle": "round,pad=0.35", "fc": "white", "ec": FAIL_COLOR, "alpha": 0.95},
+            arrowprops={"arrowstyle": "->", "color": FAIL_COLOR, "lw": 1.2},
+            zorder=6,
+        )
     return fig
 
 
