@@ -216,7 +216,8 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_diff(args) -> int:
-    from alchemist.harness.validate import diff_model
+    from alchemist.codegen import module_slug
+    from alchemist.harness.validate import diff_model, write_diff
 
     result = diff_model(
         args.model, args.backend, _prompt_ids(args), tol=args.tol, llamacpp_rounding=args.llamacpp_rounding
@@ -225,11 +226,18 @@ def _cmd_diff(args) -> int:
     for name, value in result["rows"]:
         mark = "  <-- first divergence" if name == result["first_divergence"] else ""
         print(f"{name:28} {value:18.3e}{mark}")
+    stem = f"{module_slug(Path(args.model).name)}_diff_{args.backend}" + (
+        "_llamacpp_rounding" if args.llamacpp_rounding else ""
+    )
+    paths = write_diff(result, args.output, stem)
+    if result.get("chart_error"):
+        print(f"chart not drawn: {result['chart_error']}")
     if result["first_divergence"]:
         print(f"first divergent tensor: {result['first_divergence']} (tolerance {result['tolerance']:.1e})")
-        return 1
-    print(f"no tensor exceeds NMSE {result['tolerance']:.1e}")
-    return 0
+    else:
+        print(f"no tensor exceeds NMSE {result['tolerance']:.1e}")
+    print("reports: " + ", ".join(map(str, paths)))
+    return 1 if result["first_divergence"] else 0
 
 
 def _cmd_explain(args) -> int:
@@ -340,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--readme", default=None, help="also rewrite the architecture table in this README")
     p.set_defaults(fn=_cmd_families)
 
-    p = sub.add_parser("validate", help="check the generated model against llama.cpp (JSON + markdown report)")
+    p = sub.add_parser("validate", help="check the generated model against llama.cpp (JSON + markdown + PNG report)")
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--backend", default="all", help="all, or a comma-separated list of c,numba,jax,mlx")
     p.add_argument("--prompt", default=None, help="prompt text (default: a fixed sentence)")
@@ -355,7 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=_cmd_validate)
 
-    p = sub.add_parser("diff", help="layer-by-layer comparison with llama.cpp; names the first divergent op")
+    p = sub.add_parser(
+        "diff", help="layer-by-layer comparison with llama.cpp; names the first divergent op (JSON + markdown + PNG)"
+    )
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--backend", default="c", choices=["c", "numba", "jax", "mlx"])
     p.add_argument("--prompt", default=None)
@@ -363,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tol", type=float, default=None, help="NMSE tolerance (default 1e-6 exact weights, 1e-2 quantized)"
     )
+    p.add_argument("-o", "--output", default="validation", help="report directory (default: validation/)")
     p.add_argument(
         "--llamacpp-rounding",
         action="store_true",

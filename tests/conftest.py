@@ -85,3 +85,22 @@ def fixture_files(tmp_path_factory):
         return cache[arch, wtype]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def png_size():
+    """png_size(path) -> (width, height), after checking that the file is a PNG that decodes and is not blank."""
+    import struct
+
+    def check(path):
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+        from matplotlib.image import imread
+
+        pixels = imread(path)
+        width, height = struct.unpack(">II", data[16:24])
+        assert pixels.shape[:2] == (height, width)
+        assert pixels[..., :3].std() > 0.05  # something is drawn, not a blank canvas
+        return width, height
+
+    return check

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from alchemist.fixtures import FAMILIES, FIXTURES  # noqa: E402
-from alchemist.harness import FIXTURE_QTYPES, LlamaCppOracle  # noqa: E402
+from alchemist.harness import FIXTURE_QTYPES, LlamaCppOracle, charts  # noqa: E402
 from alchemist.harness.validate import (  # noqa: E402
     THRESHOLDS,
     diff_model,
@@ -19,6 +19,8 @@ from alchemist.harness.validate import (  # noqa: E402
     to_markdown,
     validate_backend,
     validate_model,
+    write_diff,
+    write_validation,
 )
 from alchemist.runtime.engine import Engine  # noqa: E402
 
@@ -120,16 +122,28 @@ def test_other_weight_types_on_c(fixture_files, shared_engines, case):
     assert not results["F16"]["quantized_kernels"]
 
 
-def test_validate_model_writes_reports_and_fails_honestly(fixture_files, tmp_path):
+def test_validate_model_writes_reports_and_fails_honestly(fixture_files, tmp_path, png_size):
     path = str(fixture_files("qwen2", "Q8_0"))
     report = validate_model(path, ["c"], prompt=PROMPT, n_generate=8, context=CONTEXT, n_threads=1, progress=None)
     assert report["passed"]
     md = to_markdown(report)
     assert "| c |" in md and "PASS" in md
-    json.dumps(report, default=float)
+    # the chart's series: one value per prompt position and per greedy step, agreeing with the summary
+    res = report["backends"]["c"]
+    prompt, gen = res["positions"]["prompt"], res["positions"]["generated"]
+    assert len(prompt["kl"]) == len(PROMPT) and len(gen["kl"]) == 8
+    assert np.mean(prompt["kl"]) == pytest.approx(res["prompt"]["mean_kl"])
+    assert sum(gen["top1_agree"]) == res["greedy"]["n_agree"]
+    assert all(0 <= v <= 10 for v in prompt["top10_overlap"] + gen["top10_overlap"])
+    paths = write_validation(report, tmp_path, "qwen2_q8_0")
+    assert [p.name for p in paths] == ["qwen2_q8_0.json", "qwen2_q8_0.md", "qwen2_q8_0_c.png"]
+    width, height = png_size(paths[2])
+    assert 800 <= width <= 2000 and 600 <= height <= 1500
+    assert "](qwen2_q8_0_c.png)" in paths[1].read_text()
+    assert json.loads(paths[0].read_text())["backends"]["c"]["chart"] == "qwen2_q8_0_c.png"
 
 
-def test_diff_names_the_first_divergent_op(fixture_files, tmp_path, monkeypatch):
+def test_diff_names_the_first_divergent_op(fixture_files, tmp_path, monkeypatch, png_size):
     """Break one op in a generated module (wrong RMSNorm epsilon in layer 1's attention path) and make sure
     the layer diff points at exactly that tensor, not just at the logits."""
     path = str(fixture_files("llama", "F32"))
@@ -150,6 +164,39 @@ def test_diff_names_the_first_divergent_op(fixture_files, tmp_path, monkeypatch)
     monkeypatch.setattr(validate_mod, "load_for_validation", broken_loader)
     broken = diff_model(path, "c", PROMPT[:6])
     assert broken["first_divergence"] == "attn_norm-1"
+
+    # the report and its chart: the circled point is the report's first divergence, at its layer and NMSE
+    paths = write_diff(broken, tmp_path, "llama_diff_c")
+    assert [p.name for p in paths] == ["llama_diff_c.json", "llama_diff_c.md", "llama_diff_c.png"]
+    png_size(paths[2])
+    assert "](llama_diff_c.png)" in paths[1].read_text() and "**attn_norm-1**" in paths[1].read_text()
+    saved = json.loads(paths[0].read_text())
+    assert saved["chart"] == "llama_diff_c.png" and saved["first_divergence"] == "attn_norm-1"
+    import matplotlib.style
+
+    with matplotlib.style.context("default"):
+        fig = charts._diff_figure(saved)
+    ring = [line for line in fig.axes[0].get_lines() if line.get_gid() == "first-divergence"]
+    assert len(ring) == 1 and round(ring[0].get_xdata()[0]) == charts.split_name(saved["first_divergence"])[1] == 1
+    assert ring[0].get_ydata()[0] == pytest.approx(dict(broken["rows"])["attn_norm-1"])
+
+
+def test_cli_reports_with_charts(fixture_files, tmp_path, capsys, png_size):
+    """`alchemist validate` and `alchemist diff` write JSON + markdown + PNG side by side, the PNG linked."""
+    from alchemist.cli import main
+
+    path = str(fixture_files("llama", "F32"))
+    tokens = ",".join(map(str, PROMPT[:6]))
+    assert main(["diff", path, "--tokens", tokens, "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no tensor exceeds NMSE 1.0e-06" in out and "llama_f32_diff_c.png" in out
+    assert main(["validate", path, "--backend", "c", "--tokens", tokens, "--generate", "4", "-o", str(tmp_path)]) == 0
+    assert "validation PASSED" in capsys.readouterr().out
+    for stem, png in (("llama_f32_diff_c", "llama_f32_diff_c.png"), ("llama_f32", "llama_f32_c.png")):
+        assert f"]({png})" in (tmp_path / f"{stem}.md").read_text()
+        png_size(tmp_path / png)
+    diff = json.loads((tmp_path / "llama_f32_diff_c.json").read_text())
+    assert diff["first_divergence"] is None and diff["chart"] == "llama_f32_diff_c.png" and len(diff["rows"]) >= 8
 
 
 # Not strict: on an AVX2 VM (2026-12-04) the same module and GGUF gave 29/32 in one run and >= 31/32 in the next;
@@ -184,7 +231,11 @@ def test_reference_models(reference_models, name, backend, tmp_path):
     report = validate_model(path, [backend], prompt=prompt, n_generate=32, context=128, n_threads=2, progress=None)
     res = report["backends"][backend]
     others = [f for f in res["failures"] if not f.startswith("greedy:")]
-    if others or not res["prompt"]["mean_kl"] <= THRESHOLDS["mean_kl"] or not np.isfinite(res["prompt"]["mean_pearson"]):
+    if (
+        others
+        or not res["prompt"]["mean_kl"] <= THRESHOLDS["mean_kl"]
+        or not np.isfinite(res["prompt"]["mean_pearson"])
+    ):
         pytest.fail(f"{others}; KL {res['prompt']['mean_kl']}")  # not an AssertionError: never excused by an xfail
     assert res["greedy"]["n_agree"] >= 31, res["failures"]
     assert res["passed"], res["failures"]

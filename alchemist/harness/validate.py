@@ -26,6 +26,7 @@ THRESHOLDS = {
     "greedy_min_agree": 31 / 32,  # fraction of fresh-prefix greedy decisions that must agree
 }
 EXACT_TYPES = {"F32", "F16"}
+DIFF_QUANTIZED_TOL = 1e-2  # `alchemist diff` on quantized weights: llama.cpp's activation rounding alone is ~1e-4
 DEFAULT_PROMPT = "What's causal inference? Causal inference is the study of how"
 
 
@@ -67,14 +68,43 @@ def load_for_validation(path: str, generated_dir=None, llamacpp_rounding: bool =
     return LoadedForValidation(str(path), ir, module)
 
 
-def _greedy(engine, prompt: list[int], n: int) -> list[int]:
+def _greedy(engine, prompt: list[int], n: int, rows: list | None = None) -> list[int]:
+    """n greedy tokens after `prompt`; the logits behind each choice are appended to `rows` when given."""
     engine.reset()
     logits = engine.run(prompt, 0)
     out = [int(np.argmax(logits))]
-    for i in range(n - 1):
+    for i in range(n):
+        if rows is not None:
+            rows.append(np.asarray(logits, np.float32).reshape(-1))
+        if i == n - 1:
+            break
         logits = engine.run([out[-1]], len(prompt) + i)
         out.append(int(np.argmax(logits)))
     return out
+
+
+def _nan_to_none(values) -> list:
+    return [None if not np.isfinite(v) else float(v) for v in values]
+
+
+def per_position(metrics, near_tie=None) -> dict:
+    """The per-position series the validation chart draws (JSON-able); `near_tie` overrides the metrics' own
+    flags (greedy steps judge a disagreement by the oracle's margin over our token, not its top-2 gap)."""
+    return {
+        "kl": [float(v) for v in metrics.kl],
+        "pearson": _nan_to_none(metrics.pearson),
+        "top10_overlap": [int(v) for v in metrics.top10_overlap],
+        "top1_agree": [bool(v) for v in metrics.top1_agree],
+        "near_tie": [bool(v) for v in (metrics.near_tie if near_tie is None else near_tie)],
+    }
+
+
+def _greedy_near_ties(our_ids: list[int], rescored: np.ndarray) -> np.ndarray:
+    """Per step: our token loses to the oracle's choice by less than the near-tie threshold (as greedy_agreement)."""
+    steps = np.arange(len(our_ids))
+    choice = np.argmax(rescored, axis=-1)
+    margin = rescored[steps, choice].astype(np.float64) - rescored[steps, np.asarray(our_ids)]
+    return (choice != np.asarray(our_ids)) & (margin < THRESHOLDS["near_tie"])
 
 
 def layer_nmse(engine, oracle, prompt: list[int]) -> dict:
@@ -128,13 +158,18 @@ def validate_backend(
         "quantized_kernels": any(v.dtype == np.uint8 for v in engine_weights(engine)),
         "prompt_tokens": len(prompt),
         "prompt": {**metrics.summary(), "logits_nmse": logits_nmse},
+        "positions": {"prompt": per_position(metrics)},
     }
     if n_generate:
-        generated = _greedy(engine, prompt, n_generate)  # compiles prefill and decode
+        our_rows: list = []
+        generated = _greedy(engine, prompt, n_generate, our_rows)  # compiles prefill and decode
         compiles_before = engine.stats.compile_count
         if _greedy(engine, prompt, n_generate) != generated:
             failures.append("greedy generation is not deterministic across two runs")
-        agreement = greedy_agreement(generated, oracle.rescore(prompt, generated), near_tie=THRESHOLDS["near_tie"])
+        rescored = oracle.rescore(prompt, generated)
+        agreement = greedy_agreement(generated, rescored, near_tie=THRESHOLDS["near_tie"])
+        steps = compare_logits(np.stack(our_rows), rescored, near_tie=THRESHOLDS["near_tie"])
+        result["positions"]["generated"] = per_position(steps, _greedy_near_ties(generated, rescored))
         need = int(np.ceil(THRESHOLDS["greedy_min_agree"] * n_generate))
         if agreement.n_agree < need:
             failures.append(f"greedy: {agreement.n_agree}/{agreement.n_steps} fresh-prefix decisions agree (< {need})")
@@ -251,16 +286,40 @@ def to_markdown(report: dict) -> str:
             f"{('%.2e' % lay['max_nmse']) if lay else '-'} | {r['compile_count']} | {r['seconds']} | "
             f"{'PASS' if r['passed'] else 'FAIL: ' + '; '.join(r['failures'])} |"
         )
+    for b, r in report["backends"].items():
+        lines += ["", chart_markdown(r, f"{b} backend: KL, Pearson and top-1/top-10 per position")]
     return "\n".join(lines) + "\n"
 
 
+def chart_markdown(section: dict, alt: str) -> str:
+    """The report's picture: a relative link to the PNG, or why there is none."""
+    if section.get("chart"):
+        return f"![{alt}]({section['chart']})"
+    if section.get("chart_error"):
+        return f"_{alt}: chart not drawn ({section['chart_error']})_"
+    return ""
+
+
 def write_validation(report: dict, out_dir: str | Path, stem: str) -> list[Path]:
+    """`<stem>.json`, `<stem>.md` and one chart per backend, `<stem>_<backend>.png`; a chart that cannot be drawn
+    leaves its reason in the JSON and the markdown instead."""
+    from alchemist.harness.charts import draw, validation_chart
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     js, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    pngs = []
+    for b, r in report["backends"].items():
+        r.pop("chart", None), r.pop("chart_error", None)
+        png, error = draw(validation_chart, report, b, out_dir / f"{stem}_{b}.png")
+        if png:
+            r["chart"] = png.name
+            pngs.append(png)
+        else:
+            r["chart_error"] = error
     js.write_text(json.dumps(report, indent=2, default=float) + "\n")
     md.write_text(to_markdown(report))
-    return [js, md]
+    return [js, md, *pngs]
 
 
 def diff_model(
@@ -277,7 +336,7 @@ def diff_model(
 
     loaded = load_for_validation(path, llamacpp_rounding=llamacpp_rounding)
     exact = is_exact(loaded.ir)
-    tol = tol if tol is not None else (THRESHOLDS["exact_nmse"] if exact else 1e-2)
+    tol = tol if tol is not None else (THRESHOLDS["exact_nmse"] if exact else DIFF_QUANTIZED_TOL)
     engine = Engine(loaded.module, loaded.weights_for(backend), backend, max(context, len(prompt) + 1))
     names, fn = engine.taps_function(len(prompt))
     ours = dict(zip(names, (np.asarray(v) for v in fn(np.array(prompt, np.int64), np.int64(0), np.int64(len(prompt))))))
@@ -285,4 +344,57 @@ def diff_model(
         order, theirs = oracle.shared_intermediates(prompt, ours)
     rows = [(n, float(nmse(ours[n], theirs[n]))) for n in order if n in theirs]
     first = next((n for n, v in rows if v > tol), None)
-    return {"backend": backend, "tolerance": tol, "exact_weights": exact, "rows": rows, "first_divergence": first}
+    return {
+        "model": loaded.ir.model_name,
+        "source_file": loaded.ir.source_file,
+        "source_sha256": loaded.ir.source_sha256,
+        "architecture": loaded.ir.architecture,
+        "weight_types": sorted({t.ggml_type for t in loaded.ir.tensors}),
+        "numerics": "llama.cpp CPU rounding emulated (diagnostic)" if llamacpp_rounding else "exact",
+        "prompt_token_ids": list(prompt),
+        "prompt_tokens": len(prompt),
+        "backend": backend,
+        "tolerance": tol,
+        "exact_weights": exact,
+        "rows": rows,
+        "first_divergence": first,
+    }
+
+
+def diff_to_markdown(diff: dict) -> str:
+    first = diff["first_divergence"]
+    lines = [
+        f"# Layer diff: {diff['source_file']}",
+        "",
+        f"- model: {diff['model']!r} ({diff['architecture']}), weights: {', '.join(diff['weight_types'])}",
+        f"- sha256: `{diff['source_sha256']}`",
+        f"- backend: {diff['backend']}; prompt: {diff['prompt_tokens']} tokens; numerics: {diff['numerics']}",
+        f"- tolerance: NMSE {diff['tolerance']:.1e}; "
+        + (f"first divergent tensor: **{first}**" if first else f"**no tensor exceeds {diff['tolerance']:.1e}**"),
+        "",
+        chart_markdown(diff, "per-layer NMSE against llama.cpp"),
+        "",
+        "| tensor | NMSE vs llama.cpp | |",
+        "| --- | --- | --- |",
+    ]
+    for name, value in diff["rows"]:
+        lines.append(f"| {name} | {value:.3e} | {'first divergence' if name == first else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_diff(diff: dict, out_dir: str | Path, stem: str) -> list[Path]:
+    """`<stem>.json`, `<stem>.md` and `<stem>.png` (or, if it cannot be drawn, the reason in the other two)."""
+    from alchemist.harness.charts import diff_chart, draw
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    diff.pop("chart", None), diff.pop("chart_error", None)
+    png, error = draw(diff_chart, diff, out_dir / f"{stem}.png")
+    if png:
+        diff["chart"] = png.name
+    else:
+        diff["chart_error"] = error
+    js, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    js.write_text(json.dumps(diff, indent=2, default=float) + "\n")
+    md.write_text(diff_to_markdown(diff))
+    return [js, md] + ([png] if png else [])
