@@ -28,7 +28,18 @@ Q8_K_SOURCES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _fp16(x):
-    return x.astype("float16").astype("float32")
+    """float32 x rounded to the nearest fp16 value (ties to even; fp16 subnormals below 2^-14), as float32.
+
+    Computed in float64 rather than through a float16 cast: PyTensor has no C code for float16, and a fused
+    elementwise loop containing one falls back to Python for every element (minutes per step on a real model).
+    Dividing by the power of two `step` and multiplying back are exact, so only the rounding rounds. Values
+    beyond fp16's range (65504) are not turned into inf: activations and their block scales never reach it.
+    """
+    x64 = pt.as_tensor_variable(x).astype("float64")
+    magnitude = pt.abs(x64)
+    exponent = pt.maximum(pt.floor(pt.log2(pt.switch(magnitude > 0, magnitude, 1.0))), -14.0)
+    step = pt.exp2(exponent - 10.0)  # fp16 keeps 10 bits after the leading one
+    return (pt.round(x64 / step, mode="half_to_even") * step).astype("float32")
 
 
 def _mul_f32(x, scale):
