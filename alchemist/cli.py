@@ -243,6 +243,25 @@ def _cmd_tokenize(args) -> int:
     return 0
 
 
+def _cmd_perplexity(args) -> int:
+    from alchemist.perplexity import perplexity_file
+
+    result = perplexity_file(
+        args.model,
+        args.file,
+        context=args.context,
+        stride=args.stride,
+        backend=args.backend,
+        oracle=args.oracle,
+        llamacpp_rounding=args.llamacpp_rounding,
+    )
+    print(result.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
 MODEL_HELP = "a GGUF file, or a reference model name: gemma-3-270m, qwen2.5-coder-0.5b"
 
 
@@ -331,6 +350,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text")
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.set_defaults(fn=_cmd_tokenize)
+
+    p = sub.add_parser("perplexity", help="perplexity of a text file, windowed, beside llama.cpp's on the same windows")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("file", help="a UTF-8 text file")
+    p.add_argument("--context", type=int, default=512, help="tokens per window, BOS included (default 512)")
+    p.add_argument("--stride", type=int, default=None, help="window advance in tokens (default: no overlap)")
+    p.add_argument("--backend", default="c", choices=["c", "numba", "jax", "mlx"])
+    p.add_argument(
+        "--oracle", action=argparse.BooleanOptionalAction, default=True, help="also score with llama.cpp (default)"
+    )
+    p.add_argument("--json", help="write per-token log-probabilities and the summary here")
+    p.add_argument(
+        "--llamacpp-rounding",
+        action="store_true",
+        help="diagnostic: round matmul inputs (and GELU) as llama.cpp's CPU backend does",
+    )
+    p.set_defaults(fn=_cmd_perplexity)
 
     try:
         from alchemist.audit.cli import register as register_audit
