@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--llamacpp-rounding",
         action="store_true",
-        help="diagnostic: round matmul inputs (and GELU) as llama.cpp's CPU backend does",
+        help="diagnostic: round matmul inputs (and GELU) as llama.cpp's CPU backend does (slow: ~25x)",
     )
     p.set_defaults(fn=_cmd_perplexity)
 

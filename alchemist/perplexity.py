@@ -377,7 +377,18 @@ def perplexity_file(
     from alchemist import load_llm
 
     text = read_text(text_path)
-    check_window_args(context, stride, 0)  # the checks that need no model, before the slow load
+    from alchemist.arch import build_model_ir
+    from alchemist.gguf_io import read_gguf
+
+    # the checks that need no tokenizer, before the slow load (the GGUF header is read in ~0.2 s)
+    check_window_args(context, stride, 0, build_model_ir(read_gguf(model_path)).n_ctx_train)
+    if oracle:
+        from alchemist.harness import _llama
+
+        try:
+            _llama.require()  # before minutes of scoring
+        except _llama.OracleError as e:
+            raise _llama.OracleError(f"{e} (or pass --no-oracle)") from None
     model = load_llm(model_path, backend=backend, context=context, progress=progress, compile_now=not llamacpp_rounding)
     if llamacpp_rounding:
         round_like_llamacpp(model)

@@ -157,6 +157,7 @@ CASES = [
 
 @pytest.mark.parametrize("stride", [None, 8], ids=["no-overlap", "stride8"])
 @pytest.mark.parametrize("arch, wtype, bar", CASES, ids=[f"{a}-{w}" for a, w, _ in CASES])
+@pytest.mark.oracle
 def test_perplexity_matches_llamacpp(tiny_model, arch, wtype, bar, stride):
     pytest.importorskip("llama_cpp")
     model = tiny_model(arch, wtype)
@@ -189,6 +190,7 @@ def test_perplexity_without_oracle_and_bad_text(tiny_model):
     assert one.n_scored == 1 and one.n_windows == 1 and one.perplexity == pytest.approx(math.exp(-one.logprobs[0]))
 
 
+@pytest.mark.oracle
 def test_cli_writes_table_and_json(tiny_gguf, tmp_path, capsys):
     pytest.importorskip("llama_cpp")
     from alchemist.cli import main
@@ -209,7 +211,13 @@ def test_cli_writes_table_and_json(tiny_gguf, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------- reference model
 
 
+# gemma-3-270m is Q4_K_M: llama.cpp rounds every matmul input to 8 bits (Q8_K/Q8_0) and alchemist multiplies
+# exact activations, which on this text puts alchemist's perplexity 1.7% below llama.cpp's (the per-token
+# differences have a standard deviation of 0.10 nats, in line with `alchemist validate`'s mean KL of 4e-3). With
+# that rounding emulated (`--llamacpp-rounding`, a 20-minute diagnostic on two cores) the difference is +0.33%.
+# The bar: 2.5%, for the exact numerics users get.
 @pytest.mark.slow
+@pytest.mark.oracle
 def test_gemma_perplexity_matches_llamacpp(reference_models):
     pytest.importorskip("llama_cpp")
     result = perplexity_file(reference_models["gemma-3-270m"], SAMPLE, context=128, progress=False)
@@ -218,4 +226,4 @@ def test_gemma_perplexity_matches_llamacpp(reference_models):
     assert ref.extra["tokenizer_agrees"]
     assert ours.n_text_tokens > 256 and ours.n_windows == 3 and ours.n_scored == ours.n_text_tokens - 1
     assert 5 < ours.perplexity < 100  # English prose under a real model
-    assert abs(result.relative_diff) < 0.03, result.table()
+    assert abs(result.relative_diff) < 0.025, result.table()
