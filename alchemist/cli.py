@@ -248,7 +248,9 @@ def _cmd_explain(args) -> int:
     prompt = [int(t) for t in args.prompt_tokens.split(",")] if args.prompt_tokens else args.prompt
     target = [int(t) for t in args.target_tokens.split(",")] if args.target_tokens else args.target
     if prompt is None or target is None:
-        raise AlchemistError("explain needs a prompt (--prompt or --prompt-tokens) and a target (--target or --target-tokens)")
+        raise AlchemistError(
+            "explain needs a prompt (--prompt or --prompt-tokens) and a target (--target or --target-tokens)"
+        )
     print("building and compiling log p(target | prompt) and its gradient ...", file=sys.stderr, flush=True)
     result = saliency(model, target, prompt)
     print(result.table())
@@ -292,6 +294,24 @@ def _cmd_card(args) -> int:
     from alchemist.views.card import run_card
 
     print(run_card(args.models, args.output))
+
+
+def _cmd_perplexity(args) -> int:
+    from alchemist.perplexity import perplexity_file
+
+    result = perplexity_file(
+        args.model,
+        args.file,
+        context=args.context,
+        stride=args.stride,
+        backend=args.backend,
+        oracle=args.oracle,
+        llamacpp_rounding=args.llamacpp_rounding,
+    )
+    print(result.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -414,6 +434,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("models", nargs="+", metavar="MODEL", help=MODEL_HELP + " (one, or two to compare)")
     p.add_argument("-o", "--output", help="draw the card(s) into this .png or .svg")
     p.set_defaults(fn=_cmd_card)
+
+    p = sub.add_parser("perplexity", help="perplexity of a text file, windowed, beside llama.cpp's on the same windows")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("file", help="a UTF-8 text file")
+    p.add_argument("--context", type=int, default=512, help="tokens per window, BOS included (default 512)")
+    p.add_argument("--stride", type=int, default=None, help="window advance in tokens (default: no overlap)")
+    p.add_argument("--backend", default="c", choices=["c", "numba", "jax", "mlx"])
+    p.add_argument(
+        "--oracle", action=argparse.BooleanOptionalAction, default=True, help="also score with llama.cpp (default)"
+    )
+    p.add_argument("--json", help="write per-token log-probabilities and the summary here")
+    p.add_argument(
+        "--llamacpp-rounding",
+        action="store_true",
+        help="diagnostic: round matmul inputs (and GELU) as llama.cpp's CPU backend does (slow: ~25x)",
+    )
+    p.set_defaults(fn=_cmd_perplexity)
 
     try:
         from alchemist.audit.cli import register as register_audit
