@@ -57,19 +57,22 @@ def label_scores(model, reviews, labels):
 
 
 def build(model, reviews=REVIEWS, labels=LABELS):
-    """The PyMC model; the LLM's label scores are a Deterministic inside it."""
+    """The PyMC model and the LLM's label scores (the expression inside its likelihood).
+
+    The scores are not a pm.Deterministic: PyMC evaluates deterministics once more at the end in PyTensor's
+    FAST_COMPILE (Python) mode, which would run the whole language model in Python.
+    """
     import pymc as pm
     import pytensor.tensor as pt
 
     scores = label_scores(model, reviews, labels)
     observed = np.array([y for _, y in reviews])
     with pm.Model() as pm_model:
-        llm = pm.Deterministic("llm_log_prob", scores)
         tau = pm.HalfNormal("tau", sigma=2.0)
         offset = pm.Normal("offset", 0.0, 1.0, shape=len(labels) - 1)
-        logits = llm / tau + pt.concatenate([pt.zeros(1), offset])
+        logits = scores / tau + pt.concatenate([pt.zeros(1), offset])
         pm.Categorical("label", logit_p=logits, observed=observed)
-    return pm_model
+    return pm_model, scores
 
 
 def main(argv=None) -> int:
@@ -84,13 +87,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from alchemist import load_llm  # first: it configures PyTensor (BLAS, compiler flags) before PyMC imports it
-    from alchemist.models import resolve_model
 
     import pymc as pm
+    import pytensor
 
     reviews = REVIEWS[: max(2, args.reviews)]
-    model = load_llm(resolve_model(args.model), backend=args.backend, compile_now=False, progress=False)
-    pm_model = build(model, reviews)
+    model = load_llm(args.model, backend=args.backend, compile_now=False, progress=False)
+    pm_model, scores = build(model, reviews)
     compile_kwargs = {"mode": model.mode}  # the model's backend compiles PyMC's functions too
     t0 = time.perf_counter()
     with pm_model:
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
                 jitter=False,
                 return_inferencedata=False,
             )
-            tau, offset, llm = float(point["tau"]), np.atleast_1d(point["offset"]), point["llm_log_prob"]
+            tau, offset = float(point["tau"]), np.atleast_1d(point["offset"])
             print(f"MAP after {time.perf_counter() - t0:.1f} s: tau = {tau:.3f}, offset = {np.round(offset, 3).tolist()}")
         else:
             idata = pm.sample(
@@ -117,13 +120,13 @@ def main(argv=None) -> int:
             post = idata.posterior
             taus = np.asarray(post["tau"]).ravel()
             offsets = np.asarray(post["offset"]).reshape(taus.size, -1)
-            llm = np.asarray(post["llm_log_prob"])[0, 0]  # the same in every draw: no free variable feeds it
             tau, offset = float(np.mean(taus)), offsets.mean(axis=0)
             lo, hi = np.percentile(taus, [5, 95])
             print(
                 f"NUTS ({taus.size} draws) after {time.perf_counter() - t0:.1f} s: tau = {tau:.3f} "
                 f"(90% interval {lo:.3f} .. {hi:.3f}), offset = {np.round(offset, 3).tolist()}"
             )
+    llm = pytensor.function([], scores, mode=model.mode)()  # the raw scores, for the table
     calibrated = llm / tau + np.concatenate([[0.0], offset])
     calibrated = np.exp(calibrated - calibrated.max(axis=1, keepdims=True))
     calibrated /= calibrated.sum(axis=1, keepdims=True)

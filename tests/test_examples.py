@@ -37,6 +37,6 @@ def test_pymc_likelihood_contains_the_language_model(fixture_files):
 
     example = _load("pymc_calibration")
     model = load_llm(fixture_files("llama", "F32"), backend="c", context=64, progress=False, compile_now=False)
-    pm_model = example.build(model, example.REVIEWS[:2])
+    pm_model, _ = example.build(model, example.REVIEWS[:2])
     inputs = set(ancestors([pm_model.logp()]))
     assert all(w in inputs for w in model.engine.weights.values())  # every weight of the LLM feeds the log-density

@@ -111,13 +111,16 @@ def load_llm(
     progress: bool = True,
     compile_now: bool = True,
 ) -> LoadedModel:
-    """Generate (or reuse) the PyTensor module for a GGUF file, load its weights and compile decoding."""
+    """Generate (or reuse) the PyTensor module for a GGUF file (or a reference model's name), load its weights
+    and compile decoding."""
     from alchemist.audit import require_passing_audit
     from alchemist.runtime.engine import Engine, import_generated
 
+    from alchemist.models import resolve_model
+
     require_backend(backend)
     t0 = time.perf_counter()
-    path = str(path)
+    path = resolve_model(path)  # a file, or a reference model's name ("gemma-3-270m")
     facts = read_gguf(path)
     ir = build_model_ir(facts)
     module_path = write_generated(ir, generated_dir or generated_cache_dir())
