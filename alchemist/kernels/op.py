@@ -144,7 +144,10 @@ class QuantizedMatmul(_KernelCOp):
 
         x, w = inputs
         (gy,) = output_grads
-        weights = formats.dequantize_rows(pt, w, self.ggml_type, self.n_out, self.n_in)
+        # dL/dx = gy @ dequant(W): every row of W dequantized exactly by the embedding kernel (C, Numba; expanded
+        # like the forward Op on JAX/MLX), so a gradient graph adds two nodes per weight, not a symbolic unpacking
+        rows = pt.arange(self.n_out, dtype="int64")
+        weights = QuantizedEmbedding(self.ggml_type, self.n_out, self.n_in)(w, rows)
         return [pt.dot(gy, weights), grad_undefined(self, 1, w, "quantized weights are not differentiable")]
 
     # ------------------------------------------------------------------------------------------- C
