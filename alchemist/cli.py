@@ -294,6 +294,7 @@ def _cmd_card(args) -> int:
     from alchemist.views.card import run_card
 
     print(run_card(args.models, args.output))
+    return 0
 
 
 def _cmd_perplexity(args) -> int:
