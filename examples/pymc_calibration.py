@@ -94,6 +94,11 @@ def main(argv=None) -> int:
     reviews = REVIEWS[: max(2, args.reviews)]
     model = load_llm(args.model, backend=args.backend, compile_now=False, progress=False)
     pm_model, scores = build(model, reviews)
+    from pytensor.graph.traversal import ancestors
+
+    read = set(ancestors([pm_model.logp()]))
+    n_read = sum(weight in read for weight in model.engine.weights.values())
+    print(f"PyMC's log-density reads {n_read} of the language model's {len(model.engine.weights)} weight tensors")
     compile_kwargs = {"mode": model.mode}  # the model's backend compiles PyMC's functions too
     t0 = time.perf_counter()
     with pm_model:
@@ -106,7 +111,9 @@ def main(argv=None) -> int:
                 return_inferencedata=False,
             )
             tau, offset = float(point["tau"]), np.atleast_1d(point["offset"])
-            print(f"MAP after {time.perf_counter() - t0:.1f} s: tau = {tau:.3f}, offset = {np.round(offset, 3).tolist()}")
+            print(
+                f"MAP after {time.perf_counter() - t0:.1f} s: tau = {tau:.3f}, offset = {np.round(offset, 3).tolist()}"
+            )
         else:
             idata = pm.sample(
                 draws=args.draws,
