@@ -50,9 +50,7 @@ class Saliency:
             "n_prompt": self.n_prompt,
             "tokens": [
                 {"position": i, "id": t, "piece": p, "grad_x_input": float(gx), "grad_norm": float(gn)}
-                for i, (t, p, gx, gn) in enumerate(
-                    zip(self.token_ids, self.pieces, self.grad_x_input, self.grad_norm)
-                )
+                for i, (t, p, gx, gn) in enumerate(zip(self.token_ids, self.pieces, self.grad_x_input, self.grad_norm))
             ],
         }
 
@@ -84,19 +82,10 @@ def saliency_function(model, target, prompt):
     return fn, ids, n_prompt
 
 
-def embedding_rows(model, ids) -> np.ndarray:
-    """The token-embedding rows of ids as the model reads them (dequantized exactly when in GGUF blocks)."""
-    import pytensor
-
-    from alchemist.symbolic import _forward, _token_vector, input_embeddings
-
-    tokens = _token_vector(model, ids)
-    rows = input_embeddings(model, _forward(model, tokens), tokens)
-    return np.asarray(pytensor.function([], rows, mode=model.mode)(), dtype=np.float32)
-
-
 def saliency(model, target, prompt) -> Saliency:
     """Gradient × input and gradient norm of log p(target | prompt) per input token (text or token ids)."""
+    from alchemist.symbolic import embedding_rows
+
     fn, ids, n_prompt = saliency_function(model, target, prompt)
     emb = embedding_rows(model, ids)
     lp, grad = fn(emb)
@@ -116,10 +105,7 @@ def saliency(model, target, prompt) -> Saliency:
 
 def draw(result: Saliency, path: str | Path, title: str = "") -> Path:
     """A horizontal bar chart per token (gradient × input, and the gradient norm) as PNG or SVG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from alchemist.pictures import figure, save
 
     path = Path(path)
     if path.suffix.lower() not in (".png", ".svg"):
@@ -128,7 +114,8 @@ def draw(result: Saliency, path: str | Path, title: str = "") -> Path:
     labels = [f"{_show(p)[:18]}  [{i}]" for i, p in enumerate(result.pieces)]
     y = np.arange(n)
     colors = ["#3b75af" if i < result.n_prompt else "#c8553d" for i in range(n)]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 0.32 * n + 1.6), sharey=True, width_ratios=(3, 2))
+    fig = figure(10, 0.32 * n + 1.6)
+    ax1, ax2 = fig.subplots(1, 2, sharey=True, width_ratios=(3, 2))
     ax1.barh(y, result.grad_x_input, color=colors)
     ax1.axvline(0, color="black", lw=0.8)
     ax1.set_xlabel("gradient × input")
@@ -145,10 +132,7 @@ def draw(result: Saliency, path: str | Path, title: str = "") -> Path:
         fontsize=10,
     )
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, metadata={"Software": None} if path.suffix.lower() == ".png" else {"Date": None})
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
-__all__ = ["Saliency", "draw", "embedding_rows", "saliency", "saliency_function"]
+__all__ = ["Saliency", "draw", "saliency", "saliency_function"]

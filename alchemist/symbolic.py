@@ -75,6 +75,15 @@ def input_embeddings(model, logits: Variable, tokens: Variable) -> Variable:
     raise AlchemistError("could not find the token-embedding lookup in the model's graph")
 
 
+def embedding_rows(model, ids) -> np.ndarray:
+    """The token-embedding rows of ids as the model reads them (dequantized exactly when in GGUF blocks)."""
+    import pytensor
+
+    tokens = _token_vector(model, ids)
+    rows = input_embeddings(model, _forward(model, tokens), tokens)
+    return np.asarray(pytensor.function([], rows, mode=model.mode)(), dtype=np.float32)
+
+
 def symbolic_logits(model, ids, embeddings: Variable | None = None) -> Variable:
     """Logits (T, n_vocab) for the token ids at positions 0..T-1, as a PyTensor expression.
 
@@ -153,6 +162,7 @@ def log_prob(model, text_or_ids, given=None, embeddings: Variable | None = None)
 
 
 __all__ = [
+    "embedding_rows",
     "encode_scored",
     "input_embeddings",
     "log_prob",

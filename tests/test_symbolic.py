@@ -13,7 +13,8 @@ import pytensor.tensor as pt  # noqa: E402
 
 from alchemist import load_llm  # noqa: E402
 from alchemist.errors import AlchemistError  # noqa: E402
-from alchemist.explain import embedding_rows, saliency, saliency_function  # noqa: E402
+from alchemist.explain import saliency, saliency_function  # noqa: E402
+from alchemist.symbolic import embedding_rows  # noqa: E402
 
 PROMPT = "hello world"
 TARGET = " the cat sat"

@@ -37,19 +37,18 @@ def draw(fn, *args, **kwargs) -> tuple[Path | None, str | None]:
 
 
 def _figure(width: float, height: float):
-    from matplotlib.figure import Figure
+    from alchemist.pictures import figure
 
-    return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    return figure(width, height, dpi=DPI, layout="constrained")
 
 
 def _save(fig, path) -> Path:
     import matplotlib.style
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from alchemist.pictures import save
+
     with matplotlib.style.context("default"):
-        fig.savefig(path, format="png", dpi=DPI, metadata={"Software": None})
-    return path
+        return save(fig, path, dpi=DPI, format="png")
 
 
 def _wrap(lines: list[str], width: int) -> str:
@@ -361,9 +360,7 @@ def _diff_figure(diff: dict):
         ax.plot([x], [y], "o", ms=15, mfc="none", mec=FAIL_COLOR, mew=2.2, zorder=5, gid="first-divergence")
         for a in (ax, heat):
             a.axvspan(xs[first] - 0.5, xs[first] + 0.5, color=FAIL_COLOR, alpha=0.07, lw=0, zorder=0)
-        heat.add_patch(
-            Rectangle((xs[first] - 0.5, kinds.index(kind)), 1, 1, fill=False, ec="black", lw=2.2, zorder=5)
-        )
+        heat.add_patch(Rectangle((xs[first] - 0.5, kinds.index(kind)), 1, 1, fill=False, ec="black", lw=2.2, zorder=5))
         order = [n for n, _ in rows]
         before = order[order.index(first) - 1] if order.index(first) > 0 else None
         note = f"first divergent op: {first}\nNMSE {value:.2e} > tolerance {tol:.0e}"

@@ -512,12 +512,12 @@ def write_card(irs: list[ModelIR], titles: list[str], out: Path) -> Path:
         raise AlchemistError(f"-o {out}: a card is written as .png or .svg, not {out.suffix or 'no extension'!r}")
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from alchemist.pictures import figure, save
 
     changed = {a.label for a, _ in diff_facts(*irs)} if len(irs) == 2 else set()
-    with plt.rc_context({"svg.hashsalt": "alchemist-card", "font.family": "DejaVu Sans"}):
-        fig, axes = plt.subplots(1, len(irs), figsize=(FIG_W * len(irs), 12), squeeze=False)
+    with matplotlib.rc_context({"font.family": "DejaVu Sans"}):
+        fig = figure(FIG_W * len(irs), 12)
+        axes = fig.subplots(1, len(irs), squeeze=False)
         depth = min(draw(ax, ir, title, changed) for ax, ir, title in zip(axes[0], irs, titles))
         for ax in axes[0]:
             ax.set_xlim(0, 10.4)
@@ -527,11 +527,7 @@ def write_card(irs: list[ModelIR], titles: list[str], out: Path) -> Path:
         fig.subplots_adjust(left=0, right=1, top=1, bottom=0, wspace=0.02)
         if changed:
             fig.text(0.5, 0.0, "red: differs between the two models", ha="center", va="top", color=HIGHLIGHT)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        metadata = {"Date": None} if out.suffix.lower() == ".svg" else {"Software": None}
-        fig.savefig(out, dpi=120, metadata=metadata, bbox_inches="tight", pad_inches=0.15)
-        plt.close(fig)
-    return out
+        return save(fig, out, bbox_inches="tight", pad_inches=0.15)
 
 
 # ---------------------------------------------------------------------------------------------------
