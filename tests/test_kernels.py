@@ -228,15 +228,19 @@ def test_as_blocks_is_a_view():
     assert copied.flags.c_contiguous and copied.flags.writeable and not np.shares_memory(copied, raw)
 
 
-def test_c_rows_of_a_small_batch_equal_single_token_products(compiled):
-    """Below the BLAS threshold the C kernel applies the same operations per token, whatever T is."""
+@pytest.mark.parametrize("ggml_type", ("Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K"))
+def test_c_rows_of_a_small_batch_equal_single_token_products(compiled, ggml_type):
+    """Below the BLAS threshold the C kernel applies the same operations per token, whatever T is (tokens go
+    through the kernel in register groups of 4, so T = 2..9 covers full groups and every remainder): batched
+    decoding must not change tokens."""
     rng = np.random.default_rng(4)
-    raw = random_blocks(rng, "Q5_0", 19, 96)
-    f = compiled("c", "Q5_0", 19, 96)
-    x = rng.standard_normal((5, 96)).astype(np.float32)
-    batch = f(x, raw)
-    for t in range(5):
-        np.testing.assert_array_equal(batch[t], f(x[t : t + 1], raw)[0])
+    n_in = 256 if ggml_type.endswith("_K") else 96
+    raw = random_blocks(rng, ggml_type, 19, n_in)
+    f = compiled("c", ggml_type, 19, n_in)
+    x = rng.standard_normal((9, n_in)).astype(np.float32)
+    singles = np.concatenate([f(x[t : t + 1], raw) for t in range(9)])
+    for n in range(2, 10):
+        np.testing.assert_array_equal(f(x[:n], raw), singles[:n], err_msg=f"T={n}")
 
 
 @pytest.fixture(scope="session")
