@@ -20,6 +20,7 @@ from alchemist.ir import ModelIR
 from alchemist.paths import cache_subdir
 from alchemist.runtime.backends import blas_info, require_backend, uses_quantized_kernels
 from alchemist.runtime.sampling import Sampler, SamplingParams
+from alchemist.serve.text import TextStream
 
 
 def peak_rss_mb() -> float:
@@ -212,7 +213,8 @@ def inference(
     """Generate up to max_tokens after `input` (text, chat messages, or token ids).
 
     Returns the text, token ids and a report with timings, memory and compile counts. `stream` is
-    called with each newly decoded piece of text (never half a UTF-8 character).
+    called with each newly decoded piece of text (never half a UTF-8 character, never the start of a stop string
+    that may still complete); the pieces join to the result's `output`.
     """
     if max_tokens < 0:
         raise AlchemistError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -241,7 +243,8 @@ def inference(
     compiles_after_prefill = engine.stats.compile_count
 
     out_ids: list[int] = []
-    text, emitted, stop_reason = "", 0, "max_tokens"
+    stop_reason = "max_tokens"
+    text = TextStream(tok, stop or ()) if tok is not None else None
     pos = len(prompt)
     t1 = time.perf_counter()
     for _ in range(max_tokens):
@@ -250,22 +253,21 @@ def inference(
             stop_reason = "eos"
             break
         out_ids.append(nxt)
-        if tok is not None:
-            text = tok.decode(out_ids)
-            hit = next((s for s in (stop or []) if s and s in text), None)
-            if hit is not None:
-                text = text[: text.index(hit)]
+        if text is not None:
+            delta, finish = text.feed(nxt)
+            if stream is not None and delta:
+                stream(delta)
+            if finish is not None:
                 stop_reason = "stop_string"
-            safe = len(text) if hit is not None else len(text.rstrip("\ufffd"))
-            if stream is not None and safe > emitted:
-                stream(text[emitted:safe])
-                emitted = safe
-            if hit is not None:
                 break
         if len(out_ids) == max_tokens:
             break
         logits = engine.run([nxt], pos)
         pos += 1
+    if text is not None:
+        tail = text.flush()  # held back: an incomplete character, or a stop string's start that never completed
+        if stream is not None and tail:
+            stream(tail)
     t_decode = time.perf_counter() - t1
     n_decoded = max(len(out_ids) - 1, 0)  # the first new token comes from the prefill logits
 
@@ -299,7 +301,7 @@ def inference(
         },
         **info,
     }
-    result = InferenceResult(text if tok is not None else None, out_ids, prompt, stop_reason, report)
+    result = InferenceResult(text.text if text is not None else None, out_ids, prompt, stop_reason, report)
     if validate:
         from alchemist.harness import validate_generation
 
