@@ -306,3 +306,97 @@ def test_a_sink_that_raises_cancels_only_its_request(tok):
     run_until_idle(s)
     assert s.stats.requests_finished == {"cancelled": 1, "length": 1}
     assert ids_of(events["b"]) == solo(tok, b, 7).token_ids
+
+
+# ------------------------------------------------------------------------------ inference() joins the batch
+
+
+@pytest.fixture()
+def toy_model(tiny_gguf, tok):
+    """A LoadedModel whose engine is never used: inference() goes through an injected toy Scheduler."""
+    from alchemist.arch import build_model_ir
+    from alchemist.gguf_io import read_gguf
+    from alchemist.runtime.api import LoadedModel
+
+    path = tiny_gguf("llama")
+    ir = build_model_ir(read_gguf(path))
+    model = LoadedModel(str(path), "c", ir, None, None, None, tok, 0.0, 0.0, 0.0, 0.0)
+    model._scheduler = Scheduler(SlowToy(N_VOCAB, n_slots=4, capacity=64, chunk=4), tok)  # slow: threads overlap
+    model._scheduler.start()
+    yield model
+    model.stop_batching(drain_s=1)
+    assert not model.batching
+
+
+def test_concurrent_inference_joins_the_batch(toy_model, tok):
+    from alchemist import inference
+
+    texts = ["the cat", "and the dog", "it is", "on the w", "by the", "that was it"]
+    want = {t: solo(tok, tok.encode(t), 8) for t in texts}
+    got = {}
+    barrier = threading.Barrier(len(texts))
+
+    def worker(t):
+        barrier.wait()
+        got[t] = inference(toy_model, input=t, max_tokens=8)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in texts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    for t in texts:
+        r = got[t]
+        assert r.output_token_ids == want[t].token_ids and r.output == want[t].text
+        assert r.prompt_token_ids == tok.encode(t)
+        assert r.stop_reason == {"length": "max_tokens", "stop": "eos"}[want[t].finish_reason]
+        assert r.report["generated_tokens"] == len(r.output_token_ids) and r.report["batched"]["slots"] == 4
+        assert r.report["timings"]["first_token_s"] > 0 and "compilations" in r.report
+    assert toy_model._scheduler.engine.stats.decode_rows > toy_model._scheduler.engine.stats.decode_steps
+
+
+def test_batched_inference_streams_its_output_and_stops(toy_model, tok):
+    from alchemist import inference
+
+    free = inference(toy_model, input="the cat", max_tokens=20)
+    assert free.stop_reason == "max_tokens" and len(free.output) > 8
+    stop = free.output[4:7]
+    pieces = []
+    cut = inference(toy_model, input="the cat", max_tokens=20, stop=[stop], stream=pieces.append)
+    assert cut.stop_reason == "stop_string" and "".join(pieces) == cut.output == free.output[: free.output.index(stop)]
+    with pytest.raises(AlchemistError, match="exceeds the context"):
+        inference(toy_model, input="the cat", max_tokens=70)
+
+
+def test_start_batching_builds_a_slot_engine_and_scheduler(tiny_gguf, tok, monkeypatch):
+    """The wiring of LoadedModel.start_batching, with the toy standing in for alchemist.runtime.slot_engine."""
+    import sys
+    import types
+
+    from alchemist import inference
+    from alchemist.arch import build_model_ir
+    from alchemist.gguf_io import read_gguf
+    from alchemist.runtime.api import LoadedModel
+
+    made = {}
+
+    def fake_slot_engine(engine, n_slots, chunk, decode_buckets, full_window):
+        made.update(engine=engine, n_slots=n_slots, chunk=chunk, buckets=decode_buckets, full_window=full_window)
+        return toy(n_slots=n_slots, chunk=chunk, buckets=decode_buckets)
+
+    monkeypatch.setitem(
+        sys.modules, "alchemist.runtime.slot_engine", types.SimpleNamespace(SlotEngine=fake_slot_engine)
+    )
+    path = tiny_gguf("llama")
+    model = LoadedModel(str(path), "c", build_model_ir(read_gguf(path)), None, None, "ENGINE", tok, 0, 0, 0, 0)
+    sched = model.start_batching(slots=3, chunk=4, decode_buckets=(1, 2))
+    try:
+        assert made == dict(engine="ENGINE", n_slots=3, chunk=4, buckets=(1, 2), full_window=False)
+        assert model.batching and sched.running and sched.stats.n_slots == 3
+        with pytest.raises(AlchemistError, match="already batching"):
+            model.start_batching()
+        r = inference(model, input="the cat", max_tokens=5)
+        assert r.output_token_ids == solo(tok, tok.encode("the cat"), 5).token_ids
+    finally:
+        model.stop_batching()
+    assert not model.batching and not sched.running

@@ -62,6 +62,7 @@ class DoneEvent:
     usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, total_tokens, cached_tokens
     timings: dict = field(default_factory=dict)  # queue_s, ttft_s, total_s, decode_tok_per_s
     error: str | None = None
+    matched_stop: str | int | None = None  # "stop": the stop string that matched, or the eos token id
 
 
 Event = TokenEvent | DoneEvent
@@ -96,6 +97,7 @@ class Completion:
     timings: dict
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token: (logprob, top alternatives)
     error: str | None = None
+    matched_stop: str | int | None = None
 
 
 class Histogram:
@@ -377,7 +379,7 @@ class Scheduler:
         slot.t_last = now
         if tok in self.eos_ids and not req.ignore_eos:
             tail = slot.text.flush() if slot.text is not None else ""  # eos renders as nothing
-            self._finish(slot, "stop", tail)
+            self._finish(slot, "stop", tail, matched=tok)
             return
         slot.out_ids.append(tok)
         self.stats.generated_tokens_total += 1
@@ -387,22 +389,29 @@ class Scheduler:
             lp, top = _logprobs(logits, tok, req.logprobs)
         self._emit(req, TokenEvent(req.id, tok, delta, lp, top))
         if reason is not None:
-            self._finish(slot, reason)
+            self._finish(slot, reason, matched=slot.text.matched_stop)
         elif req.max_tokens is not None and len(slot.out_ids) >= req.max_tokens:
             self._finish(slot, "length")
         elif len(slot.kv_ids) >= self.max_context:  # the next token has no position left
             self._finish(slot, "length")
 
     # -- finishing ----------------------------------------------------------------------------------------
-    def _finish(self, slot: _Slot, reason: str, tail: str = "", error: str | None = None) -> None:
+    def _finish(self, slot: _Slot, reason: str, tail: str = "", error: str | None = None, matched=None) -> None:
         req = slot.request
         if slot.text is not None and reason != "stop":
             tail += slot.text.flush()
-        self._finish_request(req, reason, tail, len(slot.out_ids), slot.cached_tokens, error)
+        self._finish_request(req, reason, tail, len(slot.out_ids), slot.cached_tokens, error, matched)
         slot.request, slot.sampler, slot.text = None, None, None
 
     def _finish_request(
-        self, req: Request, reason: str, tail: str = "", n_out: int = 0, cached: int = 0, error: str | None = None
+        self,
+        req: Request,
+        reason: str,
+        tail: str = "",
+        n_out: int = 0,
+        cached: int = 0,
+        error: str | None = None,
+        matched=None,
     ) -> None:
         req.t_done = time.perf_counter()
         n_prompt = len(req.prompt)
@@ -422,7 +431,7 @@ class Scheduler:
         with self._lock:
             self._live.pop(req.id, None)
         self.stats.requests_finished[reason] += 1
-        self._emit(req, DoneEvent(req.id, reason, tail, usage, timings, error))
+        self._emit(req, DoneEvent(req.id, reason, tail, usage, timings, error, matched))
 
     def _emit(self, req: Request, ev: Event) -> None:
         if req.sink is not None:
@@ -579,6 +588,7 @@ class Scheduler:
             done.timings,
             lps if req.logprobs is not None else None,
             done.error,
+            done.matched_stop,
         )
 
 

@@ -64,6 +64,7 @@ class TextStream:
         self._pending = ""  # final text not yet emitted: a possible start of a stop string
         self._parts: list[str] = []
         self.finish_reason: str | None = None
+        self.matched_stop: str | int | None = None  # the stop string that ended the text, or the eos id
 
     @property
     def text(self) -> str:
@@ -79,7 +80,8 @@ class TextStream:
             return "", self.finish_reason
         if int(token_id) in self.eos_ids:
             out = self._finish(final=True)
-            self.finish_reason = "stop"
+            if self.finish_reason is None:
+                self.finish_reason, self.matched_stop = "stop", int(token_id)
             return out, "stop"
         settled = self._settle(self._decoder.feed(int(token_id)))
         return self._release(settled, final=False)
@@ -114,8 +116,9 @@ class TextStream:
 
     def _release(self, settled: str, final: bool) -> tuple[str, str | None]:
         pending = self._pending + settled
-        hit = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
-        if hit >= 0:
+        hits = [(i, s) for s, i in ((s, pending.find(s)) for s in self.stop) if i >= 0]
+        if hits:
+            hit, self.matched_stop = min(hits, key=lambda h: h[0])
             out, self._pending, self.finish_reason = pending[:hit], "", "stop"
             self._emit(out)
             return out, "stop"
