@@ -186,7 +186,8 @@ class Scheduler:
         if eos_ids is None:
             eos_ids = getattr(tokenizer, "eos_ids", ()) if tokenizer is not None else ()
         self.eos_ids = frozenset(int(i) for i in eos_ids)
-        self._max_batch = max(getattr(slot_engine, "decode_buckets", (slot_engine.n_slots,)))
+        # rows per decode call: the engine's largest bucket (8 when it does not say: the SlotEngine default)
+        self._max_batch = max(getattr(slot_engine, "decode_buckets", None) or (min(slot_engine.n_slots, 8),))
         self._slots = [_Slot(i) for i in range(slot_engine.n_slots)]
         self._queue: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()  # guards the queue and the request table (submit/cancel from any thread)
