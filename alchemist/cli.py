@@ -272,6 +272,14 @@ def _cmd_tokenize(args) -> int:
     return 0
 
 
+def _cmd_chat(args) -> int:
+    from alchemist.chat import run_chat
+    from alchemist.runtime.sampling import SamplingParams
+
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.repeat_penalty, args.seed)
+    return run_chat(args.model, args.backend, args.context, args.system, args.max_tokens, params, args.chunk)
+
+
 def _cmd_graph(args) -> int:
     from alchemist.views.layer_graph import run_graph
 
@@ -419,6 +427,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text")
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.set_defaults(fn=_cmd_tokenize)
+
+    p = sub.add_parser("chat", help="chat in the terminal (streamed; earlier turns' KV is reused)")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--backend", default="c", choices=["c", "numba", "jax", "mlx"])
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=512, help="longest answer in tokens")
+    p.add_argument("--context", type=int, default=4096, help="KV cache capacity in tokens (the whole conversation)")
+    p.add_argument("--chunk", type=int, default=32, help="prefill chunk in tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(fn=_cmd_chat)
 
     p = sub.add_parser("graph", help="one layer's PyTensor graph, before or after a backend's rewrites")
     p.add_argument("model", help=MODEL_HELP)

@@ -20,6 +20,7 @@ from alchemist.ir import ModelIR
 from alchemist.paths import cache_subdir
 from alchemist.runtime.backends import blas_info, require_backend, uses_quantized_kernels
 from alchemist.runtime.sampling import Sampler, SamplingParams
+from alchemist.serve.text import TextStream
 
 
 def peak_rss_mb() -> float:
@@ -56,10 +57,49 @@ class LoadedModel:
     weights_seconds: float
     compile_seconds: float
     peak_rss_mb: float
+    _scheduler: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def context(self) -> int:
         return self.engine.capacity
+
+    # -- continuous batching (alchemist.serve) -----------------------------------------------------
+    def start_batching(
+        self,
+        slots: int = 8,
+        chunk: int = 32,
+        max_queue: int = 64,
+        decode_buckets=(1, 2, 4, 8),
+        full_window: bool = False,
+        warm_up: bool = True,
+        progress: Callable[[str], None] | None = None,
+    ):
+        """Start a continuous-batching Scheduler on this model: from now on `inference(model, ...)` calls from
+        any number of threads join one running batch of `slots` sequences. Returns the Scheduler."""
+        from alchemist.runtime.slot_engine import SlotEngine
+        from alchemist.serve.scheduler import Scheduler
+
+        if self._scheduler is not None:
+            raise AlchemistError("this model is already batching; call stop_batching() first")
+        slot_engine = SlotEngine(
+            self.engine, slots, chunk=chunk, decode_buckets=decode_buckets, full_window=full_window
+        )
+        scheduler = Scheduler(slot_engine, self.tokenizer, max_queue=max_queue)
+        if warm_up:
+            scheduler.warm_up(progress)
+        scheduler.start()
+        self._scheduler = scheduler
+        return scheduler
+
+    def stop_batching(self, drain_s: float = 10.0) -> None:
+        """Stop the batching Scheduler (finishing running requests within drain_s); inference runs alone again."""
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            scheduler.stop(drain_s)
+
+    @property
+    def batching(self) -> bool:
+        return self._scheduler is not None
 
     # -- the model as PyTensor expressions (alchemist.symbolic) ------------------------------------
     def symbolic_logits(self, ids, embeddings=None):
@@ -212,7 +252,8 @@ def inference(
     """Generate up to max_tokens after `input` (text, chat messages, or token ids).
 
     Returns the text, token ids and a report with timings, memory and compile counts. `stream` is
-    called with each newly decoded piece of text (never half a UTF-8 character).
+    called with each newly decoded piece of text (never half a UTF-8 character, never the start of a stop string
+    that may still complete); the pieces join to the result's `output`.
     """
     if max_tokens < 0:
         raise AlchemistError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -221,6 +262,8 @@ def inference(
     prompt, info = _prompt_ids(model, input, chat, add_special_tokens)
     if not prompt:
         raise AlchemistError("the prompt is empty after tokenization")
+    if model._scheduler is not None:  # join the running batch (start_batching)
+        return _inference_batched(model, prompt, info, max_tokens, sampler.params, stop, stream, validate)
     if len(prompt) + max_tokens > engine.capacity:
         raise AlchemistError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context of {engine.capacity}; "
@@ -241,7 +284,8 @@ def inference(
     compiles_after_prefill = engine.stats.compile_count
 
     out_ids: list[int] = []
-    text, emitted, stop_reason = "", 0, "max_tokens"
+    stop_reason = "max_tokens"
+    text = TextStream(tok, stop or ()) if tok is not None else None
     pos = len(prompt)
     t1 = time.perf_counter()
     for _ in range(max_tokens):
@@ -250,22 +294,21 @@ def inference(
             stop_reason = "eos"
             break
         out_ids.append(nxt)
-        if tok is not None:
-            text = tok.decode(out_ids)
-            hit = next((s for s in (stop or []) if s and s in text), None)
-            if hit is not None:
-                text = text[: text.index(hit)]
+        if text is not None:
+            delta, finish = text.feed(nxt)
+            if stream is not None and delta:
+                stream(delta)
+            if finish is not None:
                 stop_reason = "stop_string"
-            safe = len(text) if hit is not None else len(text.rstrip("\ufffd"))
-            if stream is not None and safe > emitted:
-                stream(text[emitted:safe])
-                emitted = safe
-            if hit is not None:
                 break
         if len(out_ids) == max_tokens:
             break
         logits = engine.run([nxt], pos)
         pos += 1
+    if text is not None:
+        tail = text.flush()  # held back: an incomplete character, or a stop string's start that never completed
+        if stream is not None and tail:
+            stream(tail)
     t_decode = time.perf_counter() - t1
     n_decoded = max(len(out_ids) - 1, 0)  # the first new token comes from the prefill logits
 
@@ -299,7 +342,81 @@ def inference(
         },
         **info,
     }
-    result = InferenceResult(text if tok is not None else None, out_ids, prompt, stop_reason, report)
+    result = InferenceResult(text.text if text is not None else None, out_ids, prompt, stop_reason, report)
+    if validate:
+        from alchemist.harness import validate_generation
+
+        report["validation"] = validate_generation(model, prompt, out_ids)
+    return result
+
+
+def _inference_batched(model, prompt, info, max_tokens, params, stop, stream, validate) -> InferenceResult:
+    """inference() through the model's running Scheduler: same result and report fields as the solo path."""
+    from alchemist.serve.scheduler import DoneEvent, Request
+
+    scheduler = model._scheduler
+    slot_engine = scheduler.engine
+    stats = slot_engine.stats
+    compiles_before, compile_s_before = stats.compile_count, stats.compile_seconds
+    req = Request(prompt, params, max_tokens, list(stop or []))
+    out_ids, parts, done = [], [], None
+    for ev in scheduler.stream(req):
+        text = ev.text
+        if isinstance(ev, DoneEvent):
+            done = ev
+        else:
+            out_ids.append(ev.token_id)
+        if text:
+            parts.append(text)
+            if stream is not None:
+                stream(text)
+    if done.finish_reason == "error":
+        raise AlchemistError(f"batched inference failed: {done.error}")
+    if done.finish_reason == "stop":
+        stop_reason = "eos" if isinstance(done.matched_stop, int) else "stop_string"
+    else:
+        stop_reason = {"length": "max_tokens"}.get(done.finish_reason, done.finish_reason)
+    t_first = req.t_first - req.t_submit if req.t_first is not None else None
+    t_decode = req.t_done - req.t_first if req.t_first is not None else 0.0
+    n_decoded = max(len(out_ids) - 1, 0)
+    report = {
+        "backend": model.backend,
+        "blas": blas_info() if model.backend == "c" else None,
+        "alchemist": __version__,
+        "model": model.ir.model_name,
+        "architecture": model.ir.architecture,
+        "prompt_tokens": len(prompt),
+        "generated_tokens": len(out_ids),
+        "stop_reason": stop_reason,
+        "batched": {
+            "slots": slot_engine.n_slots,
+            "chunk": slot_engine.chunk,
+            "cached_tokens": done.usage.get("cached_tokens", 0),
+            "queue_s": round(done.timings.get("queue_s", 0.0), 4),
+        },
+        "timings": {
+            "load_s": round(model.load_seconds, 3),
+            "weights_s": round(model.weights_seconds, 3),
+            "prefill_s": None,  # shared steps: only the time to the first token is the request's own
+            "prefill_compile_s": 0.0,
+            "first_token_s": round(t_first, 4) if t_first is not None else None,
+            "prefill_tok_per_s": None,
+            "decode_s": round(t_decode, 4),
+            "decode_tok_per_s": round(n_decoded / t_decode, 2) if n_decoded and t_decode > 0 else None,
+            "compile_s_this_call": round(stats.compile_seconds - compile_s_before, 3),
+            "compile_s_total": round(stats.compile_seconds, 3),
+        },
+        "memory": {"peak_rss_mb": round(peak_rss_mb(), 1)},
+        "compilations": {
+            "total": stats.compile_count,
+            "this_call": stats.compile_count - compiles_before,
+            "during_decode": stats.compile_count - compiles_before,
+            "shapes": [list(s) for s in stats.compiled_shapes],
+        },
+        **info,
+    }
+    text = "".join(parts) if model.tokenizer is not None else None
+    result = InferenceResult(text, out_ids, prompt, stop_reason, report)
     if validate:
         from alchemist.harness import validate_generation
 

@@ -1,0 +1,402 @@
+"""The continuous-batching scheduler (alchemist/serve/scheduler.py) on the numpy toy slot engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from alchemist.errors import AlchemistError
+from alchemist.runtime.sampling import SamplingParams
+from alchemist.serve.scheduler import DoneEvent, QueueFull, Request, Scheduler, SchedulerClosed, TokenEvent
+from alchemist.tokenizer import load_tokenizer
+from serving_toy import ToySlotEngine
+
+N_VOCAB = 512  # the fixtures' vocabulary
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_gguf):
+    return load_tokenizer(str(tiny_gguf("llama")))
+
+
+def toy(n_slots=4, capacity=64, chunk=4, buckets=(1, 2, 4)):
+    return ToySlotEngine(N_VOCAB, n_slots=n_slots, capacity=capacity, chunk=chunk, decode_buckets=buckets)
+
+
+def prompts(n, seed=0, lo=3, hi=20):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, N_VOCAB, rng.integers(lo, hi))] for _ in range(n)]
+
+
+def solo(tok, prompt, max_tokens, params=SamplingParams(), **kw):
+    """The request alone on a one-slot scheduler."""
+    s = Scheduler(toy(n_slots=1), tok)
+    return s.generate(Request(prompt, params, max_tokens, **kw))
+
+
+def collect(events: dict):
+    def sink_for(rid):
+        return lambda ev: events.setdefault(rid, []).append(ev)
+
+    return sink_for
+
+
+def run_until_idle(s: Scheduler, limit=10_000):
+    for _ in range(limit):
+        if not s.step():
+            return
+    raise AssertionError("the scheduler never went idle")
+
+
+def ids_of(evs):
+    assert isinstance(evs[-1], DoneEvent) and all(isinstance(e, TokenEvent) for e in evs[:-1])
+    return [e.token_id for e in evs[:-1]]
+
+
+def test_interleaved_joins_and_leaves_match_solo(tok):
+    ps = prompts(7, seed=1)
+    max_tokens = [5, 17, 3, 11, 8, 1, 14]
+    engine = toy(n_slots=3)
+    s = Scheduler(engine, tok)
+    events: dict = {}
+    sink = collect(events)
+    reqs = []
+    # staggered: two now, two after a few steps, the rest later; 7 requests on 3 slots, so some wait in the queue
+    for i, (p, m) in enumerate(zip(ps, max_tokens)):
+        reqs.append(s.submit(Request(p, max_tokens=m, sink=sink(f"r{i}"), id=f"r{i}")))
+        if i in (1, 3, 4):
+            for _ in range(3 + i):
+                s.step()
+    run_until_idle(s)
+    for i, (p, m) in enumerate(zip(ps, max_tokens)):
+        done = events[f"r{i}"][-1]
+        want = solo(tok, p, m)
+        assert ids_of(events[f"r{i}"]) == want.token_ids, f"request {i}"
+        assert done.finish_reason == want.finish_reason
+        assert "".join(e.text for e in events[f"r{i}"]) == want.text
+        assert done.usage["prompt_tokens"] == len(p) and done.usage["completion_tokens"] == len(want.token_ids)
+    assert engine.stats.decode_rows > engine.stats.decode_steps  # rows really were batched
+    st = s.stats
+    assert st.requests_total == 7 and sum(st.requests_finished.values()) == 7
+    assert st.active_slots == 0 and st.queue_depth == 0
+    assert st.generated_tokens_total == sum(len(ids_of(v)) for v in events.values())
+    assert st.ttft_seconds.count == 7 and st.itl_seconds.count == st.generated_tokens_total - 7
+    assert st.ttft_seconds.cumulative()[-1] == (float("inf"), 7)
+
+
+def test_more_decoding_slots_than_the_largest_bucket(tok):
+    ps = prompts(5, seed=2)
+    engine = toy(n_slots=5, buckets=(1, 2))
+    s = Scheduler(engine, tok)
+    events: dict = {}
+    for i, p in enumerate(ps):
+        s.submit(Request(p, max_tokens=6, sink=collect(events)(i)))
+    run_until_idle(s)
+    for i, p in enumerate(ps):
+        assert ids_of(events[i]) == solo(tok, p, 6).token_ids
+
+
+def test_cancel_frees_slot_next_step(tok):
+    a, b, c = prompts(3, seed=3)
+    s = Scheduler(toy(n_slots=2), tok)
+    events: dict = {}
+    ra = s.submit(Request(a, max_tokens=40, sink=collect(events)("a")))
+    rb = s.submit(Request(b, max_tokens=12, sink=collect(events)("b")))
+    rc = s.submit(Request(c, max_tokens=3, sink=collect(events)("c")))  # queued: both slots are busy
+    for _ in range(12):
+        s.step()
+    assert s.stats.active_slots == 2 and s.stats.queue_depth == 1
+    n_before = len(events["a"])
+    s.cancel(ra.id)
+    assert s.stats.active_slots == 2  # nothing happens until the next step
+    s.step()
+    done = events["a"][-1]
+    assert isinstance(done, DoneEvent) and done.finish_reason == "cancelled"
+    assert len(events["a"]) == n_before + 1  # no token after the cancel
+    assert s.stats.queue_depth == 0 and s.stats.active_slots == 2  # the freed slot took "c" in the same step
+    # a queued request can be cancelled too
+    rd = s.submit(Request(a, max_tokens=3, sink=collect(events)("d")))
+    s.cancel(rd.id)
+    s.step()
+    assert events["d"][-1].finish_reason == "cancelled" and len(events["d"]) == 1
+    run_until_idle(s)
+    assert ids_of(events["b"]) == solo(tok, b, 12).token_ids  # the cancel did not disturb the others
+    assert ids_of(events["c"]) == solo(tok, c, 3).token_ids
+    assert rb.t_done and rc.t_done
+
+
+def test_queue_full_raises_and_bad_requests_are_refused(tok):
+    s = Scheduler(toy(n_slots=1, capacity=32), tok, max_queue=2)
+    p = prompts(1)[0]
+    s.submit(Request(p, max_tokens=2))
+    s.submit(Request(p, max_tokens=2))
+    with pytest.raises(QueueFull):
+        s.submit(Request(p, max_tokens=2))
+    s.step()  # one admitted: room again
+    s.submit(Request(p, max_tokens=2))
+    with pytest.raises(AlchemistError, match="exceeds the context of 32") as e:
+        s.submit(Request([5] * 30, max_tokens=3))
+    assert not isinstance(e.value, QueueFull)
+    with pytest.raises(AlchemistError, match="out of range"):
+        s.submit(Request([5, N_VOCAB], max_tokens=1))
+    with pytest.raises(AlchemistError, match="empty"):
+        s.submit(Request([], max_tokens=1))
+
+
+def test_seeded_sampling_is_per_request(tok):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    p = prompts(1, seed=4)[0]
+    alone = solo(tok, p, 15, params).token_ids
+    s = Scheduler(toy(n_slots=4), tok)
+    events: dict = {}
+    noise = prompts(5, seed=5)
+    for i, q in enumerate(noise[:2]):  # other sampled requests start first and run alongside
+        s.submit(Request(q, SamplingParams(temperature=1.2, seed=i), 20, sink=collect(events)(i)))
+    s.step()
+    s.submit(Request(p, params, 15, sink=collect(events)("x")))
+    s.submit(Request(noise[3], SamplingParams(temperature=0.7, top_k=5), 9, sink=collect(events)("y")))
+    run_until_idle(s)
+    assert ids_of(events["x"]) == alone
+    assert solo(tok, p, 15, SamplingParams(temperature=1.0, top_p=0.9, seed=8)).token_ids != alone  # seeds matter
+
+
+def test_prefix_reuse_skips_prefill_and_keeps_tokens(tok):
+    p = prompts(1, seed=6, lo=14, hi=15)[0]  # 14 tokens
+    engine = toy(n_slots=2, chunk=4)
+    s = Scheduler(engine, tok)
+    first = s.generate(Request(p, max_tokens=6))
+    assert first.usage["cached_tokens"] == 0
+    # the next turn extends the conversation: prompt + answer + more
+    turn2 = p + first.token_ids + [7, 8, 9]
+    before = engine.stats.prefill_tokens
+    second = s.generate(Request(turn2, max_tokens=6))
+    reused = second.usage["cached_tokens"]
+    # the slot holds p + answer[:-1] (19 positions): reuse is the chunk-aligned common prefix
+    assert reused == (len(p) + len(first.token_ids) - 1) // 4 * 4 == 16
+    assert engine.stats.prefill_tokens - before == len(turn2) - reused
+    assert second.token_ids == solo(tok, turn2, 6).token_ids
+    assert s.stats.cached_tokens_total == 16
+    # copied from a busy slot: a long request runs in slot A, a request sharing its prompt reuses its rows
+    s2 = Scheduler(toy(n_slots=2, chunk=4), tok)
+    events: dict = {}
+    long = prompts(1, seed=7, lo=13, hi=14)[0]
+    s2.submit(Request(long, max_tokens=30, sink=collect(events)("long")))
+    for _ in range(6):
+        s2.step()
+    share = long[:9] + [11, 12]
+    s2.submit(Request(share, max_tokens=5, sink=collect(events)("share")))
+    run_until_idle(s2)
+    assert events["share"][-1].usage["cached_tokens"] == 8
+    assert ids_of(events["share"]) == solo(tok, share, 5).token_ids
+    assert ids_of(events["long"]) == solo(tok, long, 30).token_ids
+
+
+def test_stop_strings_and_eos(tok):
+    p = prompts(1, seed=8)[0]
+    free = solo(tok, p, 24)
+    assert free.finish_reason == "length" and len(free.text) > 8, free
+    stop = free.text[5:8]
+    cut = solo(tok, p, 24, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop)]
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
+    # eos: any token id can be made the eos
+    i = 6
+    s = Scheduler(toy(n_slots=1), tok, eos_ids=[free.token_ids[i]])
+    eos = s.generate(Request(p, max_tokens=24))
+    first = free.token_ids.index(free.token_ids[i])
+    assert eos.finish_reason == "stop" and eos.token_ids == free.token_ids[:first]
+    assert eos.text == tok.decode(free.token_ids[:first])
+    ignored = s.generate(Request(p, max_tokens=24, ignore_eos=True))
+    assert ignored.token_ids == free.token_ids
+
+
+def test_logprobs_are_the_raw_log_softmax(tok):
+    p = prompts(1, seed=9)[0]
+    c = solo(tok, p, 3, logprobs=4)
+    lp0, top0 = c.logprobs[0]
+    engine = toy(n_slots=1)
+    logits = np.concatenate([engine.prefill(0, p[a:b], a)[None] for a, b in engine.chunk_plan(len(p))])[-1]
+    z = logits.astype(np.float64)
+    want = z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+    assert len(top0) == 4 and top0[0][0] == c.token_ids[0]  # greedy: the chosen token is the most likely
+    assert lp0 == pytest.approx(want[c.token_ids[0]], abs=1e-9)
+    assert [i for i, _ in top0] == list(np.argsort(-want, kind="stable")[:4])
+    assert all(a[1] >= b[1] for a, b in zip(top0, top0[1:]))
+
+
+def test_threaded_generate_from_many_threads(tok):
+    ps = prompts(6, seed=10)
+    want = [solo(tok, p, 9).token_ids for p in ps]
+    s = Scheduler(toy(n_slots=3), tok)
+    s.start()
+    try:
+        got = [None] * len(ps)
+
+        def worker(i):
+            got[i] = s.generate(Request(ps[i], max_tokens=9), timeout=30).token_ids
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(ps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert got == want
+        assert s.stats.running
+    finally:
+        s.stop(drain_s=1)
+    assert not s.stats.running and not s.running
+    with pytest.raises(SchedulerClosed):
+        s.submit(Request(ps[0], max_tokens=1))
+
+
+class SlowToy(ToySlotEngine):
+    def decode(self, slots, tokens, positions):
+        time.sleep(0.01)
+        return super().decode(slots, tokens, positions)
+
+
+def test_stop_drains_or_cancels(tok):
+    p = prompts(1, seed=11)[0]
+    s = Scheduler(SlowToy(N_VOCAB, n_slots=2, capacity=64, chunk=4), tok)
+    s.start()
+    events: dict = {}
+    s.submit(Request(p, max_tokens=10, sink=collect(events)("short")))
+    s.submit(Request(p, max_tokens=45, sink=collect(events)("long")))
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    s.stop(drain_s=0.2)  # "short" finishes within the drain, "long" (~0.45 s) does not
+    assert time.perf_counter() - t0 < 2
+    assert events["short"][-1].finish_reason == "length" and len(ids_of(events["short"])) == 10
+    assert events["long"][-1].finish_reason == "cancelled"
+    assert s.stats.active_slots == 0 and not s.running
+    # a scheduler driven synchronously drains in the caller's thread
+    s = Scheduler(toy(n_slots=1), tok)
+    events = {}
+    s.submit(Request(p, max_tokens=5, sink=collect(events)("q")))
+    s.stop(drain_s=5)
+    assert events["q"][-1].finish_reason == "length"
+
+
+def test_stream_and_closing_it_cancels(tok):
+    p = prompts(1, seed=12)[0]
+    s = Scheduler(toy(n_slots=1), tok)
+    evs = list(s.stream(Request(p, max_tokens=4)))
+    assert len(evs) == 5 and isinstance(evs[-1], DoneEvent)
+    it = s.stream(Request(p, max_tokens=30))
+    next(it)
+    it.close()  # the consumer went away: the request is cancelled and the slot freed
+    assert s.idle and s.stats.requests_finished["cancelled"] == 1
+    timed = s.generate(Request(p, max_tokens=30), timeout=0)
+    assert timed.finish_reason == "cancelled"
+
+
+def test_a_sink_that_raises_cancels_only_its_request(tok):
+    a, b = prompts(2, seed=13)
+    s = Scheduler(toy(n_slots=2), tok)
+    events: dict = {}
+
+    def broken(ev):
+        raise RuntimeError("client went away")
+
+    s.submit(Request(a, max_tokens=20, sink=broken))
+    s.submit(Request(b, max_tokens=7, sink=collect(events)("b")))
+    run_until_idle(s)
+    assert s.stats.requests_finished == {"cancelled": 1, "length": 1}
+    assert ids_of(events["b"]) == solo(tok, b, 7).token_ids
+
+
+# ------------------------------------------------------------------------------ inference() joins the batch
+
+
+@pytest.fixture()
+def toy_model(tiny_gguf, tok):
+    """A LoadedModel whose engine is never used: inference() goes through an injected toy Scheduler."""
+    from alchemist.arch import build_model_ir
+    from alchemist.gguf_io import read_gguf
+    from alchemist.runtime.api import LoadedModel
+
+    path = tiny_gguf("llama")
+    ir = build_model_ir(read_gguf(path))
+    model = LoadedModel(str(path), "c", ir, None, None, None, tok, 0.0, 0.0, 0.0, 0.0)
+    model._scheduler = Scheduler(SlowToy(N_VOCAB, n_slots=4, capacity=64, chunk=4), tok)  # slow: threads overlap
+    model._scheduler.start()
+    yield model
+    model.stop_batching(drain_s=1)
+    assert not model.batching
+
+
+def test_concurrent_inference_joins_the_batch(toy_model, tok):
+    from alchemist import inference
+
+    texts = ["the cat", "and the dog", "it is", "on the w", "by the", "that was it"]
+    want = {t: solo(tok, tok.encode(t), 8) for t in texts}
+    got = {}
+    barrier = threading.Barrier(len(texts))
+
+    def worker(t):
+        barrier.wait()
+        got[t] = inference(toy_model, input=t, max_tokens=8)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in texts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    for t in texts:
+        r = got[t]
+        assert r.output_token_ids == want[t].token_ids and r.output == want[t].text
+        assert r.prompt_token_ids == tok.encode(t)
+        assert r.stop_reason == {"length": "max_tokens", "stop": "eos"}[want[t].finish_reason]
+        assert r.report["generated_tokens"] == len(r.output_token_ids) and r.report["batched"]["slots"] == 4
+        assert r.report["timings"]["first_token_s"] > 0 and "compilations" in r.report
+    assert toy_model._scheduler.engine.stats.decode_rows > toy_model._scheduler.engine.stats.decode_steps
+
+
+def test_batched_inference_streams_its_output_and_stops(toy_model, tok):
+    from alchemist import inference
+
+    free = inference(toy_model, input="the cat", max_tokens=20)
+    assert free.stop_reason == "max_tokens" and len(free.output) > 8
+    stop = free.output[4:7]
+    pieces = []
+    cut = inference(toy_model, input="the cat", max_tokens=20, stop=[stop], stream=pieces.append)
+    assert cut.stop_reason == "stop_string" and "".join(pieces) == cut.output == free.output[: free.output.index(stop)]
+    with pytest.raises(AlchemistError, match="exceeds the context"):
+        inference(toy_model, input="the cat", max_tokens=70)
+
+
+def test_start_batching_builds_a_slot_engine_and_scheduler(tiny_gguf, tok, monkeypatch):
+    """The wiring of LoadedModel.start_batching, with the toy standing in for alchemist.runtime.slot_engine."""
+    import sys
+    import types
+
+    from alchemist import inference
+    from alchemist.arch import build_model_ir
+    from alchemist.gguf_io import read_gguf
+    from alchemist.runtime.api import LoadedModel
+
+    made = {}
+
+    def fake_slot_engine(engine, n_slots, chunk, decode_buckets, full_window):
+        made.update(engine=engine, n_slots=n_slots, chunk=chunk, buckets=decode_buckets, full_window=full_window)
+        return toy(n_slots=n_slots, chunk=chunk, buckets=decode_buckets)
+
+    monkeypatch.setitem(
+        sys.modules, "alchemist.runtime.slot_engine", types.SimpleNamespace(SlotEngine=fake_slot_engine)
+    )
+    path = tiny_gguf("llama")
+    model = LoadedModel(str(path), "c", build_model_ir(read_gguf(path)), None, None, "ENGINE", tok, 0, 0, 0, 0)
+    sched = model.start_batching(slots=3, chunk=4, decode_buckets=(1, 2))
+    try:
+        assert made == dict(engine="ENGINE", n_slots=3, chunk=4, buckets=(1, 2), full_window=False)
+        assert model.batching and sched.running and sched.stats.n_slots == 3
+        with pytest.raises(AlchemistError, match="already batching"):
+            model.start_batching()
+        r = inference(model, input="the cat", max_tokens=5)
+        assert r.output_token_ids == solo(tok, tok.encode("the cat"), 5).token_ids
+    finally:
+        model.stop_batching()
+    assert not model.batching and not sched.running
