@@ -272,6 +272,12 @@ def _cmd_tokenize(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from alchemist.serve.cli import run_serve
+
+    return run_serve(args)
+
+
 def _cmd_graph(args) -> int:
     from alchemist.views.layer_graph import run_graph
 
@@ -419,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text")
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.set_defaults(fn=_cmd_tokenize)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    p.add_argument("model", help=MODEL_HELP)
+    from alchemist.serve.cli import add_arguments as add_serve_arguments
+
+    add_serve_arguments(p)
+    p.set_defaults(fn=_cmd_serve)
 
     p = sub.add_parser("graph", help="one layer's PyTensor graph, before or after a backend's rewrites")
     p.add_argument("model", help=MODEL_HELP)

@@ -282,6 +282,75 @@ def test_health_and_metrics(server):
 
 
 # ---------------------------------------------------------------------------------------------- `alchemist serve`
+FAKE_SERVE = """
+import sys
+sys.path.insert(0, {tests!r})
+from serving_fake import FakeRequest, FakeScheduler
+from serving_toy import ToySlotEngine
+from alchemist.serve.cli import build_server
+from alchemist.tokenizer import load_tokenizer
+
+tok = load_tokenizer({path!r})
+sched = FakeScheduler(ToySlotEngine(tok.vocab_size, n_slots=2, capacity=128, chunk=4), tok, step_delay=0.03)
+build_server({path!r}, scheduler=sched, tokenizer=tok, request_cls=FakeRequest, port=0, drain=20).run()
+print("scheduler stopped with drain_s", sched.stopped_with, flush=True)
+"""
+
+
+def _sigterm_mid_stream(cmd, model_id, startup_s):
+    """Start a server process, stream a completion, SIGTERM it after the first chunk; the stream must finish whole
+    and the process exit 0. Returns the process's stdout."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        url, lines = None, []
+        deadline = time.monotonic() + startup_s
+        while url is None:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "".join(lines)
+            lines.append(line)
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+            assert time.monotonic() < deadline, "".join(lines)
+        threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()  # keep the pipe drained
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        body = {"model": model_id, "prompt": "Hello", "max_tokens": 40, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        n_chunks, finish, usage = 0, None, None
+        with httpx.stream("POST", url + COMP, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                n_chunks += 1
+                if n_chunks == 1:
+                    proc.send_signal(signal.SIGTERM)
+                if chunk["choices"]:
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+                usage = chunk.get("usage") or usage
+        assert finish in ("length", "stop") and n_chunks > 2, (finish, n_chunks)
+        assert usage is not None and (finish == "stop" or usage["completion_tokens"] == 40), usage
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(lines)
+        assert any("SIGTERM: draining" in x for x in lines), "".join(lines)
+        with pytest.raises(httpx.ConnectError):  # the listening socket is closed
+            httpx.get(url + "/health", timeout=2)
+        return out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_drains_in_flight_stream_fake_scheduler(tiny_gguf):
+    """build_server + ServerHandle.run (what `alchemist serve` runs) with the fake scheduler injected."""
+    path = str(tiny_gguf("llama"))
+    script = FAKE_SERVE.format(tests=str(Path(__file__).parent), path=path)
+    out = _sigterm_mid_stream([sys.executable, "-c", script], Path(path).stem, startup_s=60)
+    assert "scheduler stopped with drain_s 20" in out  # the lifespan stopped the scheduler with --drain
+
+
 def _real_scheduler_available() -> bool:
     try:
         import alchemist.runtime.slot_engine  # noqa: F401
@@ -293,41 +362,9 @@ def _real_scheduler_available() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _real_scheduler_available(), reason="needs alchemist.serve.scheduler and runtime.slot_engine")
-def test_sigterm_drains_in_flight_stream(tiny_gguf, tmp_path):
-    """`alchemist serve` on a fixture: SIGTERM mid-stream lets the stream finish, then the process exits 0."""
-    path = tiny_gguf("llama")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [sys.executable, "-m", "alchemist.cli", "serve", str(path), "--port", "0", "--slots", "2",
-           "--context", "128", "--chunk", "8", "--drain", "20"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    try:
-        url, lines = None, []
-        deadline = time.monotonic() + 600  # a cold graph cache compiles every shape
-        while url is None:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "".join(lines)
-            lines.append(line)
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-            url = m.group(1) if m else None
-            assert time.monotonic() < deadline, "".join(lines)
-        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
-        while httpx.get(url + "/health").status_code != 200:
-            time.sleep(0.1)
-        body = {"model": Path(path).stem, "prompt": "Hello", "max_tokens": 48, "temperature": 0, "stream": True}
-        n_chunks, finish = 0, None
-        with httpx.stream("POST", url + COMP, json=body, timeout=60) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                n_chunks += 1
-                if n_chunks == 1:
-                    proc.send_signal(signal.SIGTERM)
-                finish = chunk["choices"][0]["finish_reason"] or finish
-        assert finish in ("length", "stop") and n_chunks > 1
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def test_sigterm_drains_in_flight_stream(tiny_gguf):
+    """`alchemist serve` on a fixture with the real slot engine and scheduler (a cold graph cache compiles)."""
+    path = str(tiny_gguf("llama"))
+    cmd = [sys.executable, "-m", "alchemist.cli", "serve", path, "--port", "0", "--slots", "2", "--context", "128",
+           "--chunk", "8", "--drain", "20"]  # fmt: skip
+    _sigterm_mid_stream(cmd, Path(path).stem, startup_s=900)
