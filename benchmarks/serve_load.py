@@ -337,6 +337,10 @@ def print_table(by_server: dict, label: dict) -> None:
 async def _run_server(server: Server, args, prompts, levels_wanted) -> dict:
     model = server.model_id()
     out = {"model_id": model, "url": server.url, "levels": []}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=30)) as client:
+        warm = await one_request(client, server.url, model, prompts[-1], args, {})  # first-request costs, uncounted
+    if warm["error"]:
+        print(f"[{server.kind}] warm-up request failed: {warm['error']}", file=sys.stderr, flush=True)
     if args.soak:
         print(f"[{server.kind}] soak: {args.soak_clients} clients for {args.soak:g} s", file=sys.stderr, flush=True)
         out["soak"] = await soak(server, model, prompts, args)

@@ -6,6 +6,7 @@ step, which is all the server tests need (real token streams, stop strings, logp
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -31,9 +32,25 @@ class FakeRequest:
     sink: Callable | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    ignore_eos: bool = False
     t_submit: float | None = None
     t_first: float | None = None
     t_done: float | None = None
+
+
+class Histogram:
+    """Cumulative buckets + sum + count, as alchemist.serve.scheduler keeps its latencies."""
+
+    def __init__(self, buckets=(0.01, 0.1, 1.0)):
+        self.buckets, self.counts, self.sum, self.count = tuple(buckets), [0] * (len(buckets) + 1), 0.0, 0
+
+    def observe(self, v: float) -> None:
+        self.counts[sum(v > b for b in self.buckets)] += 1
+        self.sum += v
+        self.count += 1
+
+    def cumulative(self):
+        return list(zip(self.buckets + (float("inf"),), itertools.accumulate(self.counts)))
 
 
 @dataclass
@@ -65,7 +82,7 @@ class FakeScheduler:
         self._lock = threading.Lock()
         self.stats = SimpleNamespace(
             queue_depth=0, active_slots=0, n_slots=engine.n_slots, requests_total=0, generated_tokens_total=0,
-            prompt_tokens_total=0, cached_tokens_total=0, ttft_seconds=[], itl_seconds=[], started_at=None,
+            prompt_tokens_total=0, cached_tokens_total=0, ttft_seconds=Histogram(), itl_seconds=[], started_at=None,
             running=False, warming=False,
         )  # fmt: skip
 
@@ -78,6 +95,7 @@ class FakeScheduler:
         except queue.Full:
             raise QueueFull(f"{self.queue.maxsize} requests queued") from None
         req.t_submit = time.perf_counter()
+        self.last_request = req
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += len(req.prompt)
         self.stats.queue_depth = self.queue.qsize()
@@ -156,7 +174,7 @@ class FakeScheduler:
         now = time.perf_counter()
         if req.t_first is None:
             req.t_first = now
-            self.stats.ttft_seconds.append(now - req.t_submit)
+            self.stats.ttft_seconds.observe(now - req.t_submit)
         else:
             self.stats.itl_seconds.append(now - s.t_last)
         s.t_last = now
@@ -170,7 +188,7 @@ class FakeScheduler:
             lp = float(logp[tid])
             order = np.argsort(-logp, kind="stable")[: req.logprobs]
             top = [(int(t), float(logp[t])) for t in order]
-        if self.tokenizer.is_eog(tid):
+        if self.tokenizer.is_eog(tid) and not req.ignore_eos:
             self._emit(req, TokenEvent(req.id, tid, "", lp, top))
             return self._finish(i, "stop")
         s.pending += s.decoder.feed(tid)

@@ -78,6 +78,19 @@ def server(tokenizer):
     assert sched.stopped_with == 3.0  # the lifespan stopped the scheduler with drain_s
 
 
+def metrics(url: str) -> dict:
+    """/metrics as {name or name{le="..."}: value}; asserts every line is well-formed Prometheus text."""
+    values = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("#"):
+            assert re.fullmatch(r"# (HELP|TYPE) alchemist_\w+ .+", line), line
+            continue
+        m = re.fullmatch(r'(alchemist_\w+)(\{le="[^"]+"\})? ([0-9.e+-]+)', line)
+        assert m, line
+        values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return values
+
+
 def sse_chunks(text: str) -> list:
     """The JSON chunks of an SSE body; asserts the framing and the final [DONE]."""
     events = [e for e in text.split("\n\n") if e]
@@ -135,6 +148,9 @@ def test_sampling_params_and_stop_reach_the_scheduler(server):
     r = httpx.post(url + "/v1/completions", json={**body, "temperature": 0, "stop": [stop, "\x00never"]}).json()
     assert r["choices"][0]["finish_reason"] == "stop"
     assert r["choices"][0]["text"] == base[: base.find(stop)]
+    assert sched.last_request.stop == [stop, "\x00never"] and not sched.last_request.ignore_eos
+    assert httpx.post(url + "/v1/completions", json={**body, "ignore_eos": True}).status_code == 200
+    assert sched.last_request.ignore_eos and sched.last_request.params.seed == 7
 
 
 def test_logprobs_shapes(server):
@@ -264,21 +280,73 @@ def test_health_and_metrics(server):
     finally:
         sched.stats.warming = False
 
-    text = httpx.get(url + "/metrics").text
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            assert re.fullmatch(r"# (HELP|TYPE) alchemist_\w+ .+", line), line
-            continue
-        m = re.fullmatch(r'(alchemist_\w+)(\{le="[^"]+"\})? ([0-9.e+-]+)', line)
-        assert m, line
-        values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    values = metrics(url)
     assert values["alchemist_generated_tokens_total"] == sched.stats.generated_tokens_total > 0
     assert values["alchemist_queue_depth"] == 0 and values["alchemist_slots"] == 4
     assert values["alchemist_tokens_per_second"] > 0
-    n = values["alchemist_time_to_first_token_seconds_count"]
-    assert n == len(sched.stats.ttft_seconds) > 0
+    n = values["alchemist_time_to_first_token_seconds_count"]  # from a histogram object (the scheduler's kind)
+    assert n == sched.stats.ttft_seconds.count > 0
     assert values['alchemist_time_to_first_token_seconds_bucket{le="+Inf"}'] == n
+    n = values["alchemist_inter_token_latency_seconds_count"]  # from a plain list of seconds
+    assert n == len(sched.stats.itl_seconds) > 0
+    assert values['alchemist_inter_token_latency_seconds_bucket{le="+Inf"}'] == n
+    assert values['alchemist_inter_token_latency_seconds_bucket{le="60"}'] == n
+
+
+# ---------------------------------------------------------------------------------------------- the real scheduler
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _importable("alchemist.serve.scheduler"), reason="needs alchemist.serve.scheduler")
+def test_real_scheduler_over_toy_engine(tokenizer):
+    """The app with alchemist.serve.scheduler.Scheduler (its own Request, events, QueueFull and histograms)."""
+    openai = pytest.importorskip("openai")
+    from alchemist.serve.scheduler import Scheduler
+
+    sched = Scheduler(ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4), tokenizer, max_queue=8)
+    app = create_app(sched, tokenizer, MODEL, drain_s=3.0)
+    with running(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        prompts = [f"prompt number {i} says hello" for i in range(6)]
+        solo = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+                for p in prompts]  # fmt: skip
+        batched = [None] * len(prompts)
+
+        def stream(i: int) -> None:
+            chunks = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=12, temperature=0,
+                                               stream=True)  # fmt: skip
+            batched[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert batched == solo  # 6 concurrent streams over 4 slots: the same greedy texts as one at a time
+
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                      max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+        assert chunks[-1].usage.completion_tokens >= 1
+        r = httpx.post(url + CHAT, json={**GOOD, "max_tokens": CONTEXT})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert httpx.post(url + CHAT, json={**GOOD, "ignore_eos": True}).status_code == 200
+
+        with httpx.stream("POST", url + CHAT, json={**GOOD, "max_tokens": 80, "stream": True}) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        deadline = time.monotonic() + 5
+        while sched.stats.active_slots:
+            assert time.monotonic() < deadline, "the disconnected stream still holds a slot"
+            time.sleep(0.02)
+
+        values = metrics(url)
+        assert values["alchemist_generated_tokens_total"] == sched.stats.generated_tokens_total > 6 * 12
+        assert values["alchemist_time_to_first_token_seconds_count"] == sched.stats.ttft_seconds.count >= 8
+    assert not sched.stats.running  # the lifespan stopped it
 
 
 # ---------------------------------------------------------------------------------------------- `alchemist serve`
@@ -351,17 +419,11 @@ def test_sigterm_drains_in_flight_stream_fake_scheduler(tiny_gguf):
     assert "scheduler stopped with drain_s 20" in out  # the lifespan stopped the scheduler with --drain
 
 
-def _real_scheduler_available() -> bool:
-    try:
-        import alchemist.runtime.slot_engine  # noqa: F401
-        import alchemist.serve.scheduler  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _real_scheduler_available(), reason="needs alchemist.serve.scheduler and runtime.slot_engine")
+@pytest.mark.skipif(
+    not (_importable("alchemist.serve.scheduler") and _importable("alchemist.runtime.slot_engine")),
+    reason="needs alchemist.serve.scheduler and alchemist.runtime.slot_engine",
+)
 def test_sigterm_drains_in_flight_stream(tiny_gguf):
     """`alchemist serve` on a fixture with the real slot engine and scheduler (a cold graph cache compiles)."""
     path = str(tiny_gguf("llama"))

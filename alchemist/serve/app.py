@@ -25,12 +25,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from alchemist.errors import AlchemistError
 from alchemist.runtime.sampling import SamplingParams
-from alchemist.serve.events import QueueFull
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOP = 16
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_WINDOW_S = 10.0
 
 
@@ -58,8 +56,9 @@ class _Common(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    top_k: int | None = Field(None, ge=0)  # llama.cpp's extensions
+    top_k: int | None = Field(None, ge=0)  # extensions (llama.cpp, vLLM)
     repetition_penalty: float | None = Field(None, gt=0.0)
+    ignore_eos: bool | None = False
 
 
 class CompletionBody(_Common):
@@ -191,13 +190,20 @@ class _TokenRate:
 
 
 def _histogram(name: str, help_: str, values, buckets) -> list[str]:
-    values = sorted(float(v) for v in (values or []))
+    """A histogram from the scheduler's stats: an object with `cumulative()`, `sum` and `count` (Prometheus-style,
+    its own buckets), or a plain sequence of seconds (bucketed here)."""
     lines = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
-    for b in buckets:
-        lines.append(f'{name}_bucket{{le="{b}"}} {bisect.bisect_right(values, b)}')
-    lines.append(f'{name}_bucket{{le="+Inf"}} {len(values)}')
-    lines.append(f"{name}_sum {sum(values):.6f}")
-    lines.append(f"{name}_count {len(values)}")
+    if hasattr(values, "cumulative"):
+        cum = [(float(b), int(n)) for b, n in values.cumulative()]
+        total, count = float(values.sum), int(values.count)
+    else:
+        xs = sorted(float(v) for v in (values or []))
+        cum = [(float(b), bisect.bisect_right(xs, b)) for b in buckets] + [(float("inf"), len(xs))]
+        total, count = sum(xs), len(xs)
+    for b, n in cum:
+        lines.append(f'{name}_bucket{{le="{"+Inf" if b == float("inf") else f"{b:g}"}"}} {n}')
+    lines.append(f"{name}_sum {total:.6f}")
+    lines.append(f"{name}_count {count}")
     return lines
 
 
@@ -299,17 +305,25 @@ def create_app(
             except RuntimeError:  # the loop has closed (shutdown)
                 pass
 
-        req = request_cls(
-            prompt=prompt, params=_sampling(body), max_tokens=max_tokens, stop=_stop_list(body.stop),
-            logprobs=logprobs, sink=sink,
-        )  # fmt: skip
+        extra = {"ignore_eos": True} if body.ignore_eos else {}  # not in every scheduler's Request: only when asked
+        try:
+            req = request_cls(
+                prompt=prompt, params=_sampling(body), max_tokens=max_tokens, stop=_stop_list(body.stop),
+                logprobs=logprobs, sink=sink, **extra,
+            )  # fmt: skip
+        except TypeError:
+            raise ApiError(400, "ignore_eos is not supported by this server's scheduler", param="ignore_eos") from None
         try:
             scheduler.submit(req)
-        except QueueFull as e:
-            raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(retry_after_s)}) from None  # fmt: skip
         except AlchemistError as e:
-            raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+            kinds = {c.__name__ for c in type(e).__mro__}  # by name: the scheduler may define its own classes
+            if "QueueFull" in kinds:
+                raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(retry_after_s)}) from None  # fmt: skip
+            if "SchedulerClosed" in kinds:
+                raise ApiError(503, str(e), "server_error", code="server_shutting_down") from None
+            code = "context_length_exceeded" if "context" in str(e) else None
+            raise ApiError(400, str(e), param="max_tokens" if code else None, code=code) from None
         return req, q
 
     def _piece(tid: int) -> tuple[str, list[int]]:
@@ -585,9 +599,9 @@ def create_app(
             up = max(0.0, (time.time() if started > 1e9 else time.perf_counter()) - started)
             lines += _metric("alchemist_uptime_seconds", "gauge", "Seconds since the scheduler started.", up)
         lines += _histogram("alchemist_time_to_first_token_seconds", "Time from submit to the first token.",
-                            getattr(st, "ttft_seconds", None), TTFT_BUCKETS)  # fmt: skip
+                            getattr(st, "ttft_seconds", None), LATENCY_BUCKETS)  # fmt: skip
         lines += _histogram("alchemist_inter_token_latency_seconds", "Time between a stream's tokens.",
-                            getattr(st, "itl_seconds", None), ITL_BUCKETS)  # fmt: skip
+                            getattr(st, "itl_seconds", None), LATENCY_BUCKETS)  # fmt: skip
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app

@@ -80,6 +80,7 @@ def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log)
         log(f"alchemist serve: warning: the {backend} backend copies the slot caches every step; serve on c or numba")
     lm = load_llm(model_path, backend=backend, context=context, compile_now=False)
     slot_engine = SlotEngine(lm.engine, n_slots=slots, chunk=chunk)
+    scheduler = Scheduler(slot_engine, lm.tokenizer, max_queue=max_queue)
     from tqdm.auto import tqdm
 
     with tqdm(desc="warming up", unit="shape", file=sys.stderr, leave=False) as bar:
@@ -88,11 +89,11 @@ def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log)
             bar.set_postfix_str(str(msg)[:60])
             bar.update(1)
 
-        slot_engine.warm_up(progress)
+        getattr(scheduler, "warm_up", slot_engine.warm_up)(progress)  # the scheduler's also sets stats.warming
     stats = slot_engine.stats
     log(f"alchemist serve: {slots} slots x {slot_engine.capacity} positions, {len(stats.compiled_shapes)} step shapes "
         f"ready ({stats.compile_count} compiled in {stats.compile_seconds:.1f} s)")  # fmt: skip
-    return Scheduler(slot_engine, lm.tokenizer, max_queue=max_queue), lm.tokenizer
+    return scheduler, lm.tokenizer
 
 
 def build_server(

@@ -26,6 +26,7 @@ class DoneEvent:
     usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, total_tokens, cached_tokens
     timings: dict = field(default_factory=dict)  # ttft_s, total_s, ...
     error: str | None = None
+    matched_stop: str | int | None = None  # "stop": the stop string that matched, or the eos token id
 
 
 Event = TokenEvent | DoneEvent
