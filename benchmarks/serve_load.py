@@ -6,9 +6,9 @@
     python benchmarks/serve_load.py MODEL --soak 600 [--servers alchemist]
 
 For each concurrency level, N clients each stream `--requests` chat completions one after another (asyncio + httpx),
-with ~128-token prompts (distinct per request) and 128-token answers at temperature 0. llama.cpp is asked not to stop
-at end-of-generation (`min_tokens`); alchemist's API has no such switch, so its answers may end early: the table
-counts the tokens that came. A level stops starting requests after `--max-time` seconds.
+with ~128-token prompts (distinct per request) and 128-token answers at temperature 0. Both servers are asked not to
+stop at end-of-generation (alchemist: `ignore_eos`, llama.cpp: `min_tokens`; `--no-ignore-eos` turns that off); the
+table counts the tokens that came. A level stops starting requests after `--max-time` seconds.
 
 Per server and level: aggregate generated tok/s (all tokens / wall time), time to first token p50/p99, inter-token
 latency p50/p99 (gaps between streamed content chunks), errors, tokens per request, and the alchemist/llama.cpp
@@ -237,8 +237,9 @@ class Server:
 
 # ---------------------------------------------------------------------------------------------- modes
 def _extra(kind: str, args) -> dict:
+    """Per-server request fields: usage in the stream (alchemist), and not stopping at end-of-generation."""
     if kind == "alchemist":
-        return {"stream_options": {"include_usage": True}}
+        return {"stream_options": {"include_usage": True}, **({"ignore_eos": True} if args.ignore_eos else {})}
     return {"min_tokens": args.gen_tokens} if args.ignore_eos else {}
 
 
