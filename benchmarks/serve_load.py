@@ -5,7 +5,8 @@
         [--alchemist-url URL] [--llama-url URL] [--max-time 300] [--json OUT]
     python benchmarks/serve_load.py MODEL --soak 600 [--servers alchemist]
 
-For each concurrency level, N clients each stream `--requests` chat completions one after another (asyncio + httpx),
+For each concurrency level, N clients each stream `--requests` chat completions (or, with `--endpoint completions`,
+completions of the same raw text) one after another (asyncio + httpx),
 with ~128-token prompts (distinct per request) and 128-token answers at temperature 0. Both servers are asked not to
 stop at end-of-generation (alchemist: `ignore_eos`, llama.cpp: `min_tokens`; `--no-ignore-eos` turns that off); the
 table counts the tokens that came. A level stops starting requests after `--max-time` seconds.
@@ -69,12 +70,13 @@ def make_prompts(model_path: str, n: int, n_tokens: int) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- one streamed request
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, args, extra: dict) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.gen_tokens,
-            "temperature": 0, "stream": True, **extra}  # fmt: skip
+    chat = args.endpoint == "chat"
+    body = {"model": model, "max_tokens": args.gen_tokens, "temperature": 0, "stream": True, **extra}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     t0 = time.perf_counter()
     times, parts, usage, finish, error = [], [], None, None, None
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async with client.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body) as r:
             if r.status_code != 200:
                 error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             else:
@@ -90,7 +92,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                         break
                     usage = obj.get("usage") or usage
                     for ch in obj.get("choices") or []:
-                        content = (ch.get("delta") or {}).get("content")
+                        content = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
                         if content:
                             times.append(time.perf_counter())
                             parts.append(content)
@@ -361,6 +363,9 @@ def main(argv=None) -> int:
     ap.add_argument("--servers", default="alchemist,llama", help="alchemist, llama or both (default both)")
     ap.add_argument("--clients", default="1,4,8,16", help="concurrency levels (default 1,4,8,16)")
     ap.add_argument("--requests", type=int, default=2, help="requests per client per level (default 2)")
+    ap.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                    help="chat (default) or completions: the same raw prompt text on both servers, for a model whose "
+                    "GGUF has no chat template (llama-cpp-python then formats chat its own way)")  # fmt: skip
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both servers")
