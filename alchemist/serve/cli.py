@@ -44,6 +44,7 @@ class ServerHandle:
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT (or `server.should_exit`); returns after the drain."""
+        self.sock.listen(128)  # bound early (a busy port fails before the model loads); from here clients queue
         print(f"alchemist serve: model {self.model_id!r}, listening on {self.url} (OpenAI API under /v1)",
               file=sys.stderr, flush=True)  # fmt: skip
         # uvicorn re-raises the signal it caught once it has drained; a no-op SIGTERM handler makes that a clean exit
@@ -67,14 +68,17 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise AlchemistError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(128)  # connections made before uvicorn starts wait in the backlog instead of being refused
     return sock
 
 
 def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log):
     from alchemist import load_llm
-    from alchemist.runtime.slot_engine import SlotEngine
-    from alchemist.serve.scheduler import Scheduler
+
+    try:
+        from alchemist.runtime.slot_engine import SlotEngine
+        from alchemist.serve.scheduler import Scheduler
+    except ImportError as e:
+        raise AlchemistError(f"alchemist serve needs the slot engine and the scheduler: {e}") from None
 
     if backend in ("jax", "mlx"):
         log(f"alchemist serve: warning: the {backend} backend copies the slot caches every step; serve on c or numba")
@@ -127,13 +131,17 @@ def build_server(
     for name, value in (("slots", slots), ("context", context), ("chunk", chunk), ("max-queue", max_queue)):
         if value < 1:
             raise AlchemistError(f"--{name} must be >= 1, got {value}")
-    if scheduler is None:
-        scheduler, tokenizer = _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log)
-    if tokenizer is None:
+    if scheduler is not None and tokenizer is None:
         raise AlchemistError("build_server: pass the tokenizer with an injected scheduler")
+    sock = _bind(host, port)
+    try:
+        if scheduler is None:
+            scheduler, tokenizer = _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log)
+    except BaseException:
+        sock.close()
+        raise
     model_id = model_id or Path(str(model_path)).stem
     app = create_app(scheduler, tokenizer, model_id, request_cls=request_cls, drain_s=drain)
-    sock = _bind(host, port)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
