@@ -280,6 +280,12 @@ def _cmd_chat(args) -> int:
     return run_chat(args.model, args.backend, args.context, args.system, args.max_tokens, params, args.chunk)
 
 
+def _cmd_serve(args) -> int:
+    from alchemist.serve.cli import run_serve
+
+    return run_serve(args)
+
+
 def _cmd_graph(args) -> int:
     from alchemist.views.layer_graph import run_graph
 
@@ -441,6 +447,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(fn=_cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    p.add_argument("model", help=MODEL_HELP)
+    from alchemist.serve.cli import add_arguments as add_serve_arguments
+
+    add_serve_arguments(p)
+    p.set_defaults(fn=_cmd_serve)
 
     p = sub.add_parser("graph", help="one layer's PyTensor graph, before or after a backend's rewrites")
     p.add_argument("model", help=MODEL_HELP)

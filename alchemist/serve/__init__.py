@@ -1,1 +1,2 @@
-"""Serving: incremental text (text.py), the continuous-batching scheduler (scheduler.py), and the HTTP server."""
+"""Serving: incremental text (text.py), continuous batching over a SlotEngine (scheduler.py), and an
+OpenAI-compatible HTTP server (app.py, cli.py)."""

@@ -34,38 +34,8 @@ import numpy as np
 
 from alchemist.errors import AlchemistError
 from alchemist.runtime.sampling import Sampler, SamplingParams
+from alchemist.serve.events import DoneEvent, Event, QueueFull, SchedulerClosed, TokenEvent
 from alchemist.serve.text import TextStream
-
-
-class QueueFull(AlchemistError):
-    """The request queue is full (HTTP 429)."""
-
-
-class SchedulerClosed(AlchemistError):
-    """The scheduler is stopping or stopped and admits no new requests (HTTP 503)."""
-
-
-@dataclass
-class TokenEvent:
-    request_id: str
-    token_id: int
-    text: str  # the text this token makes safe to show ("" while held back)
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-@dataclass
-class DoneEvent:
-    request_id: str
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
-    text: str = ""  # trailing text released at the end (held-back text), may be ""
-    usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, total_tokens, cached_tokens
-    timings: dict = field(default_factory=dict)  # queue_s, ttft_s, total_s, decode_tok_per_s
-    error: str | None = None
-    matched_stop: str | int | None = None  # "stop": the stop string that matched, or the eos token id
-
-
-Event = TokenEvent | DoneEvent
 
 
 @dataclass(eq=False)

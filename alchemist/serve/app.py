@@ -1,0 +1,610 @@
+"""An OpenAI-compatible HTTP front end over a Scheduler: `/v1/completions`, `/v1/chat/completions` (streamed as
+server-sent events or whole), `/v1/models`, `/health` and `/metrics`.
+
+The scheduler thread owns the model; this module only turns requests into token ids (in a worker thread, never the
+scheduler's), submits them, and relays the scheduler's events, which cross threads through
+`loop.call_soon_threadsafe` into one asyncio queue per request. Errors come back in OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`; a client that goes away cancels its request."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import time
+from collections import deque
+from contextlib import asynccontextmanager
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from alchemist.errors import AlchemistError
+from alchemist.runtime.sampling import SamplingParams
+from alchemist.serve.events import DoneEvent, QueueFull, SchedulerClosed
+
+MAX_BODY_BYTES = 8 << 20
+MAX_STOP = 16
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RATE_WINDOW_S = 10.0
+
+
+# ---------------------------------------------------------------------------------------------- request bodies
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # newer openai clients may send it; there is nothing to obfuscate
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    top_k: int | None = Field(None, ge=0)  # extensions (llama.cpp, vLLM)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    ignore_eos: bool | None = False
+
+
+class CompletionBody(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None, headers=None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+            headers,
+        )
+
+
+def _error_response(status: int, message: str, type_: str, param=None, code=None, headers=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _unsupported(body: _Common) -> None:
+    """Fields the openai client may send that we accept only at their neutral values."""
+    if body.n not in (None, 1):
+        raise ApiError(400, "only n=1 is supported", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0, 0.0):
+            raise ApiError(400, f"{name} is not supported (only 0)", param=name)
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    if isinstance(body, CompletionBody):
+        if body.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        if body.best_of not in (None, 1):
+            raise ApiError(400, "only best_of=1 is supported", param="best_of")
+        if body.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+    if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+
+def _stop_list(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stops = [s for s in stops if s]
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"at most {MAX_STOP} stop strings", param="stop")
+    return stops
+
+
+def _sampling(body: _Common) -> SamplingParams:
+    seed = None if body.seed is None else body.seed & 0xFFFFFFFFFFFFFFFF  # numpy wants a non-negative seed
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        seed=seed,
+    )
+
+
+def _parse(raw: bytes, model_cls):
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err["loc"]]
+        param = loc[0] if loc else None
+        if err["type"] == "extra_forbidden":
+            message = f"unknown field {'.'.join(loc)!r}"
+        elif err["type"] == "missing":
+            message = f"missing required field {'.'.join(loc)!r}"
+        else:
+            message = f"{'.'.join(loc)}: {err['msg']}"
+        raise ApiError(400, message, param=param) from None
+
+
+# ---------------------------------------------------------------------------------------------- metrics helpers
+class _TokenRate:
+    """Generated tokens per second over the last RATE_WINDOW_S, from the events' arrival times."""
+
+    def __init__(self):
+        self._times: deque[float] = deque(maxlen=200_000)
+
+    def add(self) -> None:
+        self._times.append(time.monotonic())  # called from the scheduler thread; deque.append is atomic
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        times = list(self._times)
+        recent = [t for t in times if t > now - RATE_WINDOW_S]
+        return len(recent) / RATE_WINDOW_S
+
+
+def _histogram(name: str, help_: str, values, buckets) -> list[str]:
+    """A histogram from the scheduler's stats: an object with `cumulative()`, `sum` and `count` (Prometheus-style,
+    its own buckets), or a plain sequence of seconds (bucketed here)."""
+    lines = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+    if hasattr(values, "cumulative"):
+        cum = [(float(b), int(n)) for b, n in values.cumulative()]
+        total, count = float(values.sum), int(values.count)
+    else:
+        xs = sorted(float(v) for v in (values or []))
+        cum = [(float(b), bisect.bisect_right(xs, b)) for b in buckets] + [(float("inf"), len(xs))]
+        total, count = sum(xs), len(xs)
+    for b, n in cum:
+        lines.append(f'{name}_bucket{{le="{"+Inf" if b == float("inf") else f"{b:g}"}"}} {n}')
+    lines.append(f"{name}_sum {total:.6f}")
+    lines.append(f"{name}_count {count}")
+    return lines
+
+
+def _metric(name: str, kind: str, help_: str, value) -> list[str]:
+    v = float(value or 0)
+    text = str(int(v)) if v.is_integer() else f"{v:.6g}"
+    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {text}"]
+
+
+# ---------------------------------------------------------------------------------------------- the app
+def create_app(
+    scheduler,
+    tokenizer,
+    model_id: str,
+    *,
+    request_cls=None,
+    drain_s: float = 10.0,
+    manage_scheduler: bool = True,
+    retry_after_s: int = 1,
+) -> FastAPI:
+    """The FastAPI app over `scheduler` (the serving contract's Scheduler interface).
+
+    `request_cls` builds the scheduler's requests (default `alchemist.serve.scheduler.Request`). With
+    `manage_scheduler` the app's lifespan starts the scheduler (unless it runs already) and, at shutdown, stops it
+    with `scheduler.stop(drain_s)`. `app.state.draining = True` makes /health answer 503 and new requests 503."""
+    if request_cls is None:
+        from alchemist.serve.scheduler import Request as request_cls  # noqa: N813 (resolved late: a sibling module)
+
+    rate = _TokenRate()
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_scheduler and not getattr(scheduler.stats, "running", False):
+            scheduler.start()
+        try:
+            yield
+        finally:
+            app.state.draining = True
+            if manage_scheduler:
+                await run_in_threadpool(scheduler.stop, drain_s)
+
+    app = FastAPI(title="alchemist", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.draining = False
+    app.state.scheduler = scheduler
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return _error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(e.status_code, str(e.detail), kind, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):  # FastAPI's 422 becomes 400
+        return _error_response(400, str(e.errors()[:1]), "invalid_request_error")
+
+    # ------------------------------------------------------------------ shared request path
+    async def _read(request: Request, model_cls):
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        body = _parse(raw, model_cls)
+        if body.model != model_id:
+            raise ApiError(404, f"the model {body.model!r} does not exist (this server has {model_id!r})",
+                           param="model", code="model_not_found")  # fmt: skip
+        _unsupported(body)
+        if app.state.draining:
+            raise ApiError(503, "the server is shutting down", "server_error", code="server_shutting_down")
+        return body
+
+    def _check_lengths(n_prompt: int, max_tokens: int | None, explicit: bool) -> int:
+        ctx = int(scheduler.max_context)
+        if n_prompt == 0:
+            raise ApiError(400, "the prompt is empty (0 tokens)", param="prompt")
+        if n_prompt >= ctx:
+            raise ApiError(400, f"this model's maximum context length is {ctx} tokens, but the prompt is {n_prompt} "
+                           "tokens (one position must remain for the answer)", param="messages",
+                           code="context_length_exceeded")  # fmt: skip
+        if max_tokens is None:
+            return ctx - n_prompt
+        if explicit and n_prompt + max_tokens > ctx:
+            raise ApiError(400, f"this model's maximum context length is {ctx} tokens; you requested "
+                           f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the "
+                           "completion)", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        return min(max_tokens, ctx - n_prompt)
+
+    def _submit(prompt: list[int], body: _Common, max_tokens: int, logprobs: int | None):
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev) -> None:  # the scheduler thread: never block, never raise
+            if not isinstance(ev, DoneEvent):
+                rate.add()
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, ev)
+            except RuntimeError:  # the loop has closed (shutdown)
+                pass
+
+        extra = {"ignore_eos": True} if body.ignore_eos else {}  # not in every scheduler's Request: only when asked
+        try:
+            req = request_cls(
+                prompt=prompt, params=_sampling(body), max_tokens=max_tokens, stop=_stop_list(body.stop),
+                logprobs=logprobs, sink=sink, **extra,
+            )  # fmt: skip
+        except TypeError:
+            raise ApiError(400, "ignore_eos is not supported by this server's scheduler", param="ignore_eos") from None
+        try:
+            scheduler.submit(req)
+        except AlchemistError as e:
+            if isinstance(e, QueueFull):
+                raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(retry_after_s)}) from None  # fmt: skip
+            if isinstance(e, SchedulerClosed):
+                raise ApiError(503, str(e), "server_error", code="server_shutting_down") from None
+            code = "context_length_exceeded" if "context" in str(e) else None
+            raise ApiError(400, str(e), param="max_tokens" if code else None, code=code) from None
+        return req, q
+
+    def _piece(tid: int) -> tuple[str, list[int]]:
+        b = tokenizer.token_to_piece(int(tid))
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    def _usage(done) -> dict:
+        u = dict(done.usage or {})
+        usage = {k: int(u.get(k, 0)) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        if "cached_tokens" in u:
+            usage["prompt_tokens_details"] = {"cached_tokens": int(u["cached_tokens"])}
+        return usage
+
+    def _end_error(done) -> ApiError | None:
+        if done.finish_reason == "error":
+            return ApiError(500, f"generation failed: {done.error}", "server_error", code="generation_error")
+        if done.finish_reason == "cancelled":
+            return ApiError(503, "the request was cancelled (the server is shutting down)", "server_error",
+                            code="cancelled")  # fmt: skip
+        return None
+
+    async def _events(request: Request, req, q: asyncio.Queue, poll_disconnect: bool):
+        """Yield the request's events until its DoneEvent; cancel it if we are torn down or the client leaves."""
+        finished = False
+        try:
+            while True:
+                if poll_disconnect:
+                    try:
+                        ev = await asyncio.wait_for(q.get(), 0.5)
+                    except TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                else:
+                    ev = await q.get()
+                if isinstance(ev, DoneEvent):
+                    finished = True
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                scheduler.cancel(req.id)
+
+    def _sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def _stream(gen) -> StreamingResponse:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
+
+    # ------------------------------------------------------------------ logprob shapes
+    class _CompletionLogprobs:
+        def __init__(self):
+            self.offset = 0
+
+        def of(self, ev) -> dict | None:
+            if ev.logprob is None:
+                return None
+            text, _ = _piece(ev.token_id)
+            top = {_piece(t)[0]: float(lp) for t, lp in (ev.top_logprobs or [])}
+            out = {"tokens": [text], "token_logprobs": [float(ev.logprob)], "top_logprobs": [top],
+                   "text_offset": [self.offset]}  # fmt: skip
+            self.offset += len(text)
+            return out
+
+    def _chat_logprob(ev) -> dict | None:
+        if ev.logprob is None:
+            return None
+        text, b = _piece(ev.token_id)
+        top = []
+        for t, lp in ev.top_logprobs or []:
+            tt, tb = _piece(t)
+            top.append({"token": tt, "logprob": float(lp), "bytes": tb})
+        return {"token": text, "logprob": float(ev.logprob), "bytes": b, "top_logprobs": top}
+
+    # ------------------------------------------------------------------ routes
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body: CompletionBody = await _read(request, CompletionBody)
+        p = body.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        elif isinstance(p, list) and p and not isinstance(p[0], int):
+            raise ApiError(400, "only one prompt per request is supported", param="prompt")
+        if isinstance(p, str):
+            try:
+                ids = await run_in_threadpool(tokenizer.encode, p)
+            except AlchemistError as e:
+                raise ApiError(400, str(e), param="prompt") from None
+        else:
+            ids = [int(t) for t in p]
+            n_vocab = tokenizer.vocab_size
+            bad = [t for t in ids if not 0 <= t < n_vocab]
+            if bad:
+                raise ApiError(400, f"token id {bad[0]} is out of range [0, {n_vocab})", param="prompt")
+        max_tokens = _check_lengths(len(ids), 16 if body.max_tokens is None else body.max_tokens, True)
+        req, q = _submit(ids, body, max_tokens, body.logprobs)
+        rid, t0 = f"cmpl-{req.id}", int(time.time())
+        lp = _CompletionLogprobs()
+
+        def chunk(text, finish=None, logprobs=None) -> dict:
+            c = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
+            return {"id": rid, "object": "text_completion", "created": t0, "model": model_id, "choices": [c]}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def gen():
+                async for ev in _events(request, req, q, poll_disconnect=False):
+                    if not isinstance(ev, DoneEvent):
+                        logprobs = lp.of(ev)
+                        if ev.text or logprobs is not None:
+                            c = chunk(ev.text, logprobs=logprobs)
+                            if include_usage:
+                                c["usage"] = None
+                            yield _sse(c)
+                        continue
+                    err = _end_error(ev)
+                    if err is not None:
+                        yield _sse({"error": {"message": err.message, "type": err.type, "param": None,
+                                              "code": err.code}})  # fmt: skip
+                    else:
+                        c = chunk(ev.text, ev.finish_reason)
+                        if include_usage:
+                            c["usage"] = None
+                        yield _sse(c)
+                        if include_usage:
+                            u = {"id": rid, "object": "text_completion", "created": t0, "model": model_id,
+                                 "choices": [], "usage": _usage(ev)}  # fmt: skip
+                            yield _sse(u)
+                    yield "data: [DONE]\n\n"
+
+            return _stream(gen())
+
+        parts, logs = [], []
+        async for ev in _events(request, req, q, poll_disconnect=True):
+            if isinstance(ev, DoneEvent):
+                err = _end_error(ev)
+                if err is not None:
+                    raise err
+                parts.append(ev.text)
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = {k: [x for d in logs for x in d[k]] for k in
+                                ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
+                out = chunk("".join(parts), ev.finish_reason, logprobs)
+                out["usage"] = _usage(ev)
+                return JSONResponse(out)
+            parts.append(ev.text)
+            logprobs = lp.of(ev)
+            if logprobs is not None:
+                logs.append(logprobs)
+        return Response(status_code=499)  # the client went away
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body: ChatBody = await _read(request, ChatBody)
+        messages = []
+        for m in body.messages:
+            content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
+            messages.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+        try:  # the template runs here (a worker thread), never in the scheduler's thread
+            ids = await run_in_threadpool(tokenizer.encode_chat, messages)
+        except AlchemistError as e:
+            raise ApiError(400, f"cannot render the chat template: {e}", param="messages") from None
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = _check_lengths(len(ids), requested, requested is not None)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        req, q = _submit(ids, body, max_tokens, logprobs)
+        rid, t0 = f"chatcmpl-{req.id}", int(time.time())
+
+        def chunk(delta: dict, finish=None, logprobs=None) -> dict:
+            c = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return {"id": rid, "object": "chat.completion.chunk", "created": t0, "model": model_id, "choices": [c]}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def sse(c):
+                if include_usage:
+                    c["usage"] = None
+                return _sse(c)
+
+            async def gen():
+                yield sse(chunk({"role": "assistant", "content": ""}))
+                async for ev in _events(request, req, q, poll_disconnect=False):
+                    if not isinstance(ev, DoneEvent):
+                        lp = _chat_logprob(ev)
+                        if ev.text or lp is not None:
+                            yield sse(chunk({"content": ev.text}, logprobs=None if lp is None else {"content": [lp]}))
+                        continue
+                    err = _end_error(ev)
+                    if err is not None:
+                        yield _sse({"error": {"message": err.message, "type": err.type, "param": None,
+                                              "code": err.code}})  # fmt: skip
+                    else:
+                        if ev.text:
+                            yield sse(chunk({"content": ev.text}))
+                        yield sse(chunk({}, ev.finish_reason))
+                        if include_usage:
+                            u = {"id": rid, "object": "chat.completion.chunk", "created": t0, "model": model_id,
+                                 "choices": [], "usage": _usage(ev)}  # fmt: skip
+                            yield _sse(u)
+                    yield "data: [DONE]\n\n"
+
+            return _stream(gen())
+
+        parts, lps = [], []
+        async for ev in _events(request, req, q, poll_disconnect=True):
+            if isinstance(ev, DoneEvent):
+                err = _end_error(ev)
+                if err is not None:
+                    raise err
+                parts.append(ev.text)
+                message = {"role": "assistant", "content": "".join(parts), "refusal": None}
+                choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": ev.finish_reason}
+                if logprobs is not None:
+                    choice["logprobs"] = {"content": lps, "refusal": None}
+                out = {"id": rid, "object": "chat.completion", "created": t0, "model": model_id,
+                       "choices": [choice], "usage": _usage(ev)}  # fmt: skip
+                return JSONResponse(out)
+            parts.append(ev.text)
+            lp = _chat_logprob(ev)
+            if lp is not None:
+                lps.append(lp)
+        return Response(status_code=499)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "alchemist"}]}  # fmt: skip
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != model_id:
+            raise ApiError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "alchemist"}
+
+    @app.get("/health")
+    async def health():
+        st = scheduler.stats
+        if getattr(st, "warming", False):
+            status = "warming"
+        elif app.state.draining:
+            status = "draining"
+        elif not getattr(st, "running", True):
+            status = "stopped"
+        else:
+            status = "ok"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        st = scheduler.stats
+        started = getattr(st, "started_at", None)
+        lines = []
+        lines += _metric("alchemist_queue_depth", "gauge", "Requests waiting for a slot.", st.queue_depth)
+        lines += _metric("alchemist_active_slots", "gauge", "Slots holding a running request.", st.active_slots)
+        lines += _metric("alchemist_slots", "gauge", "Slots (concurrent sequences).", getattr(st, "n_slots", 0))
+        lines += _metric("alchemist_requests_total", "counter", "Requests admitted to the queue.",
+                         getattr(st, "requests_total", 0))  # fmt: skip
+        lines += _metric("alchemist_generated_tokens_total", "counter", "Tokens generated.",
+                         st.generated_tokens_total)  # fmt: skip
+        lines += _metric("alchemist_prompt_tokens_total", "counter", "Prompt tokens submitted.",
+                         getattr(st, "prompt_tokens_total", 0))  # fmt: skip
+        lines += _metric("alchemist_cached_tokens_total", "counter", "Prompt tokens reused from a slot's cache.",
+                         getattr(st, "cached_tokens_total", 0))  # fmt: skip
+        lines += _metric("alchemist_tokens_per_second", "gauge",
+                         f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.", rate.rate())  # fmt: skip
+        if started:
+            # started_at may be a perf_counter or a wall-clock stamp: only report a sensible uptime
+            up = max(0.0, (time.time() if started > 1e9 else time.perf_counter()) - started)
+            lines += _metric("alchemist_uptime_seconds", "gauge", "Seconds since the scheduler started.", up)
+        lines += _histogram("alchemist_time_to_first_token_seconds", "Time from submit to the first token.",
+                            getattr(st, "ttft_seconds", None), LATENCY_BUCKETS)  # fmt: skip
+        lines += _histogram("alchemist_inter_token_latency_seconds", "Time between a stream's tokens.",
+                            getattr(st, "itl_seconds", None), LATENCY_BUCKETS)  # fmt: skip
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+__all__ = ["create_app", "ApiError"]

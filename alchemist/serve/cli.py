@@ -1,0 +1,165 @@
+"""`alchemist serve MODEL`: load the model, build a SlotEngine and a Scheduler, warm every step shape up, then serve
+the OpenAI-compatible app with uvicorn until SIGTERM/SIGINT, which drains: the listening socket closes, streams in
+flight finish (up to --drain seconds), then the scheduler stops."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from alchemist.errors import AlchemistError
+
+DEFAULTS = dict(backend="c", slots=8, context=4096, chunk=32, host="127.0.0.1", port=8080, max_queue=64, drain=10.0)
+
+
+def add_arguments(p) -> None:
+    d = DEFAULTS
+    p.add_argument("--backend", default=d["backend"], choices=["c", "numba", "jax", "mlx"])
+    p.add_argument("--slots", type=int, default=d["slots"], help=f"concurrent sequences (default {d['slots']})")
+    p.add_argument("--context", type=int, default=d["context"], help=f"positions per slot (default {d['context']})")
+    p.add_argument("--chunk", type=int, default=d["chunk"], help=f"prefill chunk in tokens (default {d['chunk']})")
+    p.add_argument("--host", default=d["host"], help=f"address to bind (default {d['host']})")
+    p.add_argument("--port", type=int, default=d["port"], help=f"port (default {d['port']}; 0: any free port)")
+    p.add_argument("--max-queue", type=int, default=d["max_queue"], help="queued requests before 429 (default 64)")
+    p.add_argument("--drain", type=float, default=d["drain"], help="seconds to let streams finish at shutdown")
+    p.add_argument("--model-id", default=None, help="the model name clients send (default: the file's stem)")
+
+
+@dataclass
+class ServerHandle:
+    app: object
+    server: object  # uvicorn.Server
+    sock: socket.socket
+    scheduler: object
+    model_id: str
+
+    @property
+    def url(self) -> str:
+        host, port = self.sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def run(self) -> None:
+        """Serve until SIGTERM/SIGINT (or `server.should_exit`); returns after the drain."""
+        self.sock.listen(128)  # bound early (a busy port fails before the model loads); from here clients queue
+        print(f"alchemist serve: model {self.model_id!r}, listening on {self.url} (OpenAI API under /v1)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        # uvicorn re-raises the signal it caught once it has drained; a no-op SIGTERM handler makes that a clean exit
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, lambda sig, frame: None) if in_main else None
+        try:
+            self.server.run(sockets=[self.sock])
+        finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+            self.sock.close()
+        print("alchemist serve: stopped", file=sys.stderr, flush=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise AlchemistError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log):
+    from alchemist import load_llm
+
+    try:
+        from alchemist.runtime.slot_engine import SlotEngine
+        from alchemist.serve.scheduler import Scheduler
+    except ImportError as e:
+        raise AlchemistError(f"alchemist serve needs the slot engine and the scheduler: {e}") from None
+
+    if backend in ("jax", "mlx"):
+        log(f"alchemist serve: warning: the {backend} backend copies the slot caches every step; serve on c or numba")
+    lm = load_llm(model_path, backend=backend, context=context, compile_now=False)
+    slot_engine = SlotEngine(lm.engine, n_slots=slots, chunk=chunk)
+    scheduler = Scheduler(slot_engine, lm.tokenizer, max_queue=max_queue)
+    from tqdm.auto import tqdm
+
+    with tqdm(desc="warming up", unit="shape", file=sys.stderr, leave=False) as bar:
+
+        def progress(msg: str) -> None:
+            bar.set_postfix_str(str(msg)[:60])
+            bar.update(1)
+
+        getattr(scheduler, "warm_up", slot_engine.warm_up)(progress)  # the scheduler's also sets stats.warming
+    stats = slot_engine.stats
+    log(f"alchemist serve: {slots} slots x {slot_engine.capacity} positions, {len(stats.compiled_shapes)} step shapes "
+        f"ready ({stats.compile_count} compiled in {stats.compile_seconds:.1f} s)")  # fmt: skip
+    return scheduler, lm.tokenizer
+
+
+def build_server(
+    model_path,
+    *,
+    scheduler=None,
+    tokenizer=None,
+    model_id: str | None = None,
+    request_cls=None,
+    log=None,
+    backend: str = DEFAULTS["backend"],
+    slots: int = DEFAULTS["slots"],
+    context: int = DEFAULTS["context"],
+    chunk: int = DEFAULTS["chunk"],
+    host: str = DEFAULTS["host"],
+    port: int = DEFAULTS["port"],
+    max_queue: int = DEFAULTS["max_queue"],
+    drain: float = DEFAULTS["drain"],
+    log_level: str = "warning",
+) -> ServerHandle:
+    """Everything `alchemist serve` runs, unstarted. Pass `scheduler` (and `tokenizer`) to skip loading the model."""
+    try:
+        import uvicorn
+
+        from alchemist.serve.app import create_app
+    except ImportError as e:
+        raise AlchemistError(
+            f"alchemist serve needs fastapi and uvicorn ({e}): pip install 'alchemist[serve]'"
+        ) from None
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    for name, value in (("slots", slots), ("context", context), ("chunk", chunk), ("max-queue", max_queue)):
+        if value < 1:
+            raise AlchemistError(f"--{name} must be >= 1, got {value}")
+    if scheduler is not None and tokenizer is None:
+        raise AlchemistError("build_server: pass the tokenizer with an injected scheduler")
+    sock = _bind(host, port)
+    try:
+        if scheduler is None:
+            scheduler, tokenizer = _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log)
+    except BaseException:
+        sock.close()
+        raise
+    model_id = model_id or Path(str(model_path)).stem
+    app = create_app(scheduler, tokenizer, model_id, request_cls=request_cls, drain_s=drain)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                log(f"alchemist serve: {signal.Signals(sig).name}: draining (up to {drain:g} s)")
+            app.state.draining = True  # /health answers 503 and new requests 503 from now on
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=max(1, int(drain))
+    )
+    return ServerHandle(app, Server(config), sock, scheduler, model_id)
+
+
+def run_serve(args) -> int:
+    handle = build_server(
+        args.model, backend=args.backend, slots=args.slots, context=args.context, chunk=args.chunk, host=args.host,
+        port=args.port, max_queue=args.max_queue, drain=args.drain, model_id=args.model_id,
+    )  # fmt: skip
+    handle.run()
+    return 0

@@ -1,0 +1,432 @@
+"""The OpenAI-compatible server (alchemist.serve.app) over a fake scheduler on the numpy toy engine: the official
+openai client streams, bad input gets OpenAI-shaped errors and the server keeps answering, a client that leaves
+cancels its request, a full queue answers 429, /metrics parses. The SIGTERM drain test runs `alchemist serve` with
+the real scheduler and slot engine (skipped where those modules are not there)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import uvicorn  # noqa: E402
+
+from alchemist.serve.app import create_app  # noqa: E402
+from serving_fake import FakeRequest, FakeScheduler  # noqa: E402
+from serving_toy import ToySlotEngine  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::alchemist.tokenizer.chat.ChatTemplateWarning")  # fixtures: no template
+
+MODEL = "toy-llama"
+CONTEXT = 96
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_gguf):
+    from alchemist.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_gguf("llama"))
+
+
+@contextlib.contextmanager
+def running(app):
+    """uvicorn in a thread on a port-0 socket; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and th.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        th.join(15)
+        sock.close()
+
+
+def make(tokenizer, **kw):
+    step_delay = kw.pop("step_delay", 0.0)
+    engine = ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4)
+    sched = FakeScheduler(engine, tokenizer, step_delay=step_delay, **kw)
+    return sched, create_app(sched, tokenizer, MODEL, request_cls=FakeRequest, drain_s=3.0)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    sched, app = make(tokenizer)
+    with running(app) as url:
+        yield sched, app, url
+    assert sched.stopped_with == 3.0  # the lifespan stopped the scheduler with drain_s
+
+
+def metrics(url: str) -> dict:
+    """/metrics as {name or name{le="..."}: value}; asserts every line is well-formed Prometheus text."""
+    values = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("#"):
+            assert re.fullmatch(r"# (HELP|TYPE) alchemist_\w+ .+", line), line
+            continue
+        m = re.fullmatch(r'(alchemist_\w+)(\{le="[^"]+"\})? ([0-9.e+-]+)', line)
+        assert m, line
+        values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return values
+
+
+def sse_chunks(text: str) -> list:
+    """The JSON chunks of an SSE body; asserts the framing and the final [DONE]."""
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), events[:3]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
+
+
+# ---------------------------------------------------------------------------------------------- happy paths
+def test_openai_client_streams_chat_and_completion(server):
+    openai = pytest.importorskip("openai")
+    sched, app, url = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello there"}]
+
+    # what the official client sends when asked for the neutral values: accepted
+    common = dict(model=MODEL, temperature=0, max_tokens=12, n=1, user="u1", presence_penalty=0, frequency_penalty=0)
+    stream = client.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True},
+                                            **common)  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    usage = chunks[-1].usage
+    whole = client.chat.completions.create(messages=messages, **common)
+    assert whole.choices[0].message.content == text  # greedy: streamed == whole
+    assert [whole.choices[0].finish_reason] == finishes
+    assert whole.usage.completion_tokens == usage.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 1 <= usage.completion_tokens <= 12
+    # the prompt the server used is the tokenizer's chat rendering (no template: contents joined by newlines)
+    assert usage.prompt_tokens == len(app.state.scheduler.tokenizer.encode_chat(messages))
+
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert whole.choices[0].text == text
+    assert whole.object == "text_completion" and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens == len(sched.tokenizer.encode("Once upon a time"))
+
+
+def test_sampling_params_and_stop_reach_the_scheduler(server):
+    sched, app, url = server
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 20, "temperature": 0.7, "top_p": 0.9, "seed": 7}
+    r1 = httpx.post(url + "/v1/completions", json=body).json()
+    r2 = httpx.post(url + "/v1/completions", json=body).json()
+    assert r1["choices"][0]["text"] == r2["choices"][0]["text"]  # same seed, same draw
+    base = httpx.post(url + "/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    assert len(base) >= 4, base
+    stop = base[2:4]
+    r = httpx.post(url + "/v1/completions", json={**body, "temperature": 0, "stop": [stop, "\x00never"]}).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["text"] == base[: base.find(stop)]
+    assert sched.last_request.stop == [stop, "\x00never"] and not sched.last_request.ignore_eos
+    assert httpx.post(url + "/v1/completions", json={**body, "ignore_eos": True}).status_code == 200
+    assert sched.last_request.ignore_eos and sched.last_request.params.seed == 7
+
+
+def test_logprobs_shapes(server):
+    sched, app, url = server
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0,
+                                                 "logprobs": 3}).json()  # fmt: skip
+    lp = r["choices"][0]["logprobs"]
+    n = r["usage"]["completion_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert chosen <= 0 and len(top) <= 3 and abs(max(top.values()) - chosen) < 1e-6  # greedy: chosen is best
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                   "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2}).json()  # fmt: skip
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"]
+    assert all(set(c) == {"token", "logprob", "bytes", "top_logprobs"} and len(c["top_logprobs"]) == 2 for c in content)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+
+BAD = [
+    ("malformed JSON", CHAT, b'{"model": "toy-llama", "messages": [', 400, None, None),
+    ("non-UTF-8 body", CHAT, b'{"model": "toy-llama\xff\xfe", "messages": []}', 400, None, None),
+    ("body not an object", CHAT, b"[1, 2]", 400, None, None),
+    ("unknown field", CHAT, {**GOOD, "frobnicate": 1}, 400, None, "frobnicate"),
+    ("missing messages", CHAT, {"model": MODEL}, 400, None, "messages"),
+    ("bad role", CHAT, {**GOOD, "messages": [{"role": "wizard", "content": "x"}]}, 400, None, "messages"),
+    ("n=2", CHAT, {**GOOD, "n": 2}, 400, None, "n"),
+    ("penalty", CHAT, {**GOOD, "presence_penalty": 0.5}, 400, None, "presence_penalty"),
+    ("temperature < 0", CHAT, {**GOOD, "temperature": -1}, 400, None, "temperature"),
+    ("max_tokens 0", CHAT, {**GOOD, "max_tokens": 0}, 400, None, "max_tokens"),
+    ("unknown model", CHAT, {**GOOD, "model": "gpt-5"}, 404, "model_not_found", "model"),
+    ("max_tokens over the context", CHAT, {**GOOD, "max_tokens": CONTEXT}, 400, "context_length_exceeded", None),
+    ("prompt over the context", COMP, {"model": MODEL, "prompt": [5] * (CONTEXT + 1)}, 400, "context_length_exceeded", None),
+    ("token id out of range", COMP, {"model": MODEL, "prompt": [5, 99999]}, 400, None, "prompt"),
+    ("two prompts", COMP, {"model": MODEL, "prompt": ["a", "b"]}, 400, None, "prompt"),
+    ("echo", COMP, {"model": MODEL, "prompt": "a", "echo": True}, 400, None, "echo"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,path,body,status,code,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_error_and_server_keeps_answering(server, name, path, body, status, code, param):
+    sched, app, url = server
+    if isinstance(body, bytes):
+        r = httpx.post(url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(url + path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == ("invalid_request_error" if status == 400 else err["type"])
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+    ok = httpx.post(url + CHAT, json=GOOD)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_unknown_route_is_openai_shaped_404(server):
+    r = httpx.get(server[2] + "/v1/nope")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+def test_disconnect_mid_stream_cancels(tokenizer):
+    sched, app = make(tokenizer, step_delay=0.02)
+    with running(app) as url:
+        body = {**GOOD, "max_tokens": 60, "stream": True}
+        with httpx.Client(timeout=10) as client:
+            with client.stream("POST", url + CHAT, json=body) as r:
+                assert r.status_code == 200
+                got = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        got.append(json.loads(line[6:]))
+                    if len(got) >= 4:
+                        break
+            rid = got[0]["id"].removeprefix("chatcmpl-")
+        deadline = time.monotonic() + 5
+        while not (rid in sched.cancelled_ids and sched.stats.active_slots == 0):
+            assert time.monotonic() < deadline, (sched.cancelled_ids, sched.stats.active_slots)
+            time.sleep(0.02)
+        assert sched.stats.generated_tokens_total < 60  # it stopped early
+        assert httpx.post(url + CHAT, json=GOOD).status_code == 200
+
+
+def test_429_when_queue_full_then_recovers(tokenizer):
+    sched, app = make(tokenizer, max_queue=1)
+    with running(app) as url:
+        sched.gate.clear()  # pause the loop: the queue fills
+        time.sleep(0.1)
+        first = {}
+        th = threading.Thread(target=lambda: first.update(r=httpx.post(url + CHAT, json=GOOD, timeout=20)))
+        th.start()
+        deadline = time.monotonic() + 5
+        while sched.queue.qsize() < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = httpx.post(url + CHAT, json=GOOD)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        sched.gate.set()
+        th.join(20)
+        assert first["r"].status_code == 200
+        assert httpx.post(url + CHAT, json=GOOD).status_code == 200
+
+
+def test_health_and_metrics(server):
+    sched, app, url = server
+    assert httpx.post(url + COMP, json={"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0}).is_success
+    h = httpx.get(url + "/health")
+    assert h.status_code == 200 and h.json() == {"status": "ok"}
+    app.state.draining = True
+    try:
+        assert httpx.get(url + "/health").status_code == 503
+        r = httpx.post(url + CHAT, json=GOOD)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+    finally:
+        app.state.draining = False
+    sched.stats.warming = True
+    try:
+        assert httpx.get(url + "/health").json() == {"status": "warming"}
+    finally:
+        sched.stats.warming = False
+
+    values = metrics(url)
+    assert values["alchemist_generated_tokens_total"] == sched.stats.generated_tokens_total > 0
+    assert values["alchemist_queue_depth"] == 0 and values["alchemist_slots"] == 4
+    assert values["alchemist_tokens_per_second"] > 0
+    n = values["alchemist_time_to_first_token_seconds_count"]  # from a histogram object (the scheduler's kind)
+    assert n == sched.stats.ttft_seconds.count > 0
+    assert values['alchemist_time_to_first_token_seconds_bucket{le="+Inf"}'] == n
+    n = values["alchemist_inter_token_latency_seconds_count"]  # from a plain list of seconds
+    assert n == len(sched.stats.itl_seconds) > 0
+    assert values['alchemist_inter_token_latency_seconds_bucket{le="+Inf"}'] == n
+    assert values['alchemist_inter_token_latency_seconds_bucket{le="60"}'] == n
+
+
+# ---------------------------------------------------------------------------------------------- the real scheduler
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _importable("alchemist.serve.scheduler"), reason="needs alchemist.serve.scheduler")
+def test_real_scheduler_over_toy_engine(tokenizer):
+    """The app with alchemist.serve.scheduler.Scheduler (its own Request, events, QueueFull and histograms)."""
+    openai = pytest.importorskip("openai")
+    from alchemist.serve.scheduler import Scheduler
+
+    sched = Scheduler(ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4), tokenizer, max_queue=8)
+    app = create_app(sched, tokenizer, MODEL, drain_s=3.0)
+    with running(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        prompts = [f"prompt number {i} says hello" for i in range(6)]
+        solo = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+                for p in prompts]  # fmt: skip
+        batched = [None] * len(prompts)
+
+        def stream(i: int) -> None:
+            chunks = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=12, temperature=0,
+                                               stream=True)  # fmt: skip
+            batched[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert batched == solo  # 6 concurrent streams over 4 slots: the same greedy texts as one at a time
+
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                      max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+        assert chunks[-1].usage.completion_tokens >= 1
+        r = httpx.post(url + CHAT, json={**GOOD, "max_tokens": CONTEXT})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert httpx.post(url + CHAT, json={**GOOD, "ignore_eos": True}).status_code == 200
+
+        with httpx.stream("POST", url + CHAT, json={**GOOD, "max_tokens": 80, "stream": True}) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        deadline = time.monotonic() + 5
+        while sched.stats.active_slots:
+            assert time.monotonic() < deadline, "the disconnected stream still holds a slot"
+            time.sleep(0.02)
+
+        values = metrics(url)
+        assert values["alchemist_generated_tokens_total"] == sched.stats.generated_tokens_total > 6 * 12
+        assert values["alchemist_time_to_first_token_seconds_count"] == sched.stats.ttft_seconds.count >= 8
+    assert not sched.stats.running  # the lifespan stopped it
+
+
+# ---------------------------------------------------------------------------------------------- `alchemist serve`
+FAKE_SERVE = """
+import sys
+sys.path.insert(0, {tests!r})
+from serving_fake import FakeRequest, FakeScheduler
+from serving_toy import ToySlotEngine
+from alchemist.serve.cli import build_server
+from alchemist.tokenizer import load_tokenizer
+
+tok = load_tokenizer({path!r})
+sched = FakeScheduler(ToySlotEngine(tok.vocab_size, n_slots=2, capacity=128, chunk=4), tok, step_delay=0.03)
+build_server({path!r}, scheduler=sched, tokenizer=tok, request_cls=FakeRequest, port=0, drain=20).run()
+print("scheduler stopped with drain_s", sched.stopped_with, flush=True)
+"""
+
+
+def _sigterm_mid_stream(cmd, model_id, startup_s):
+    """Start a server process, stream a completion, SIGTERM it after the first chunk; the stream must finish whole
+    and the process exit 0. Returns the process's stdout."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        url, lines = None, []
+        deadline = time.monotonic() + startup_s
+        while url is None:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "".join(lines)
+            lines.append(line)
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+            assert time.monotonic() < deadline, "".join(lines)
+        threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()  # keep the pipe drained
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        body = {"model": model_id, "prompt": "Hello", "max_tokens": 40, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        n_chunks, finish, usage = 0, None, None
+        with httpx.stream("POST", url + COMP, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                n_chunks += 1
+                if n_chunks == 1:
+                    proc.send_signal(signal.SIGTERM)
+                if chunk["choices"]:
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+                usage = chunk.get("usage") or usage
+        assert finish in ("length", "stop") and n_chunks > 2, (finish, n_chunks)
+        assert usage is not None and (finish == "stop" or usage["completion_tokens"] == 40), usage
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(lines)
+        assert any("SIGTERM: draining" in x for x in lines), "".join(lines)
+        with pytest.raises(httpx.ConnectError):  # the listening socket is closed
+            httpx.get(url + "/health", timeout=2)
+        return out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_drains_in_flight_stream_fake_scheduler(tiny_gguf):
+    """build_server + ServerHandle.run (what `alchemist serve` runs) with the fake scheduler injected."""
+    path = str(tiny_gguf("llama"))
+    script = FAKE_SERVE.format(tests=str(Path(__file__).parent), path=path)
+    out = _sigterm_mid_stream([sys.executable, "-c", script], Path(path).stem, startup_s=60)
+    assert "scheduler stopped with drain_s 20" in out  # the lifespan stopped the scheduler with --drain
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (_importable("alchemist.serve.scheduler") and _importable("alchemist.runtime.slot_engine")),
+    reason="needs alchemist.serve.scheduler and alchemist.runtime.slot_engine",
+)
+def test_sigterm_drains_in_flight_stream(tiny_gguf):
+    """`alchemist serve` on a fixture with the real slot engine and scheduler (a cold graph cache compiles)."""
+    path = str(tiny_gguf("llama"))
+    cmd = [sys.executable, "-m", "alchemist.cli", "serve", path, "--port", "0", "--slots", "2", "--context", "128",
+           "--chunk", "8", "--drain", "20"]  # fmt: skip
+    _sigterm_mid_stream(cmd, Path(path).stem, startup_s=900)
