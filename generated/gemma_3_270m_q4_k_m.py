@@ -9,7 +9,8 @@ weight inventory and its loader. A weight W is stored as GGUF writes it, numpy s
 applied as x @ W.T. load_weights(path) gives every weight as float32; load_weights(path, quantized=True)
 keeps the KERNEL_WEIGHTS in their GGUF blocks (uint8, one row of blocks per output) and the graph
 multiplies those with the kernels. The KV cache of a layer is a pair of (capacity, N_KV_HEAD, HEAD_DIM)
-float32 tensors indexed by position.
+float32 tensors indexed by position; forward_slots runs several sequences in one step (serving), each in a
+slot of (SLOTS, ROWS, N_KV_HEAD, HEAD_DIM) caches.
 """
 
 import numpy as np
@@ -174,29 +175,41 @@ def rope(x, angles):
 
 
 def causal_attention(q, keys, values, q_positions, key_positions, window: int):
-    """Grouped-query causal attention; query head h reads KV head h // GROUP_SIZE.
+    """Grouped-query causal attention of B sequences; query head h reads KV head h // GROUP_SIZE.
 
-    q: (T, N_HEAD, HEAD_DIM) at q_positions (T,); keys, values: (S, N_KV_HEAD, HEAD_DIM) at key_positions (S,).
-    A key at position p is visible to a query at position t when p <= t (and t - p < window if window).
+    q: (B*T, N_HEAD, HEAD_DIM), sequence b's T tokens at q_positions[b] (B, T);
+    keys, values: (B, S, N_KV_HEAD, HEAD_DIM), sequence b's at key_positions[b] (B, S).
+    A key at position p is visible to a query at position t when 0 <= p <= t (and t - p < window if window);
+    a negative key position marks a row that holds nothing of this sequence.
     """
-    n_tokens = q.type.shape[0]
-    q = q.reshape((n_tokens, N_KV_HEAD, GROUP_SIZE, HEAD_DIM)).dimshuffle(1, 2, 0, 3)
-    q = q.reshape((N_KV_HEAD, GROUP_SIZE * n_tokens, HEAD_DIM))  # row g * T + t
-    scores = pt.matmul(q, keys.dimshuffle(1, 2, 0)) * np.float32(SCORE_SCALE)  # (N_KV_HEAD, G*T, S)
-    key_pos = key_positions[None, :]
-    query_pos = pt.tile(q_positions, GROUP_SIZE)[:, None]
-    visible = key_pos <= query_pos
+    n_seq = keys.type.shape[0]
+    n_tokens = q.type.shape[0] // n_seq
+    q = q.reshape((n_seq, n_tokens, N_KV_HEAD, GROUP_SIZE, HEAD_DIM)).dimshuffle(0, 2, 3, 1, 4)
+    q = q.reshape((n_seq * N_KV_HEAD, GROUP_SIZE * n_tokens, HEAD_DIM))  # row g * T + t
+    keys = keys.dimshuffle(0, 2, 3, 1).reshape((n_seq * N_KV_HEAD, HEAD_DIM, -1))
+    scores = pt.matmul(q, keys) * np.float32(SCORE_SCALE)  # (B*N_KV_HEAD, G*T, S)
+    key_pos = key_positions[:, None, :]
+    query_pos = pt.tile(q_positions, (1, GROUP_SIZE))[:, :, None]
+    visible = (key_pos >= 0) & (key_pos <= query_pos)
     if window:
         visible = visible & (query_pos - key_pos < window)
-    scores = pt.where(visible[None, :, :], scores, np.float32(-np.inf))
-    probs = pt.special.softmax(scores, axis=-1)
-    out = pt.matmul(probs, values.dimshuffle(1, 0, 2))  # (N_KV_HEAD, G*T, HEAD_DIM)
-    out = out.reshape((N_KV_HEAD, GROUP_SIZE, n_tokens, HEAD_DIM)).dimshuffle(2, 0, 1, 3)
-    return out.reshape((n_tokens, N_HEAD * HEAD_DIM))
+    scores = scores.reshape((n_seq, N_KV_HEAD, GROUP_SIZE * n_tokens, -1))
+    scores = pt.where(visible[:, None, :, :], scores, np.float32(-np.inf))
+    probs = pt.special.softmax(scores, axis=-1).reshape((n_seq * N_KV_HEAD, GROUP_SIZE * n_tokens, -1))
+    values = values.dimshuffle(0, 2, 1, 3).reshape((n_seq * N_KV_HEAD, -1, HEAD_DIM))
+    out = pt.matmul(probs, values)  # (B*N_KV_HEAD, G*T, HEAD_DIM)
+    out = out.reshape((n_seq, N_KV_HEAD, GROUP_SIZE, n_tokens, HEAD_DIM)).dimshuffle(0, 3, 1, 2, 4)
+    return out.reshape((n_seq * n_tokens, N_HEAD * HEAD_DIM))
 
 
-def attention(w, il: int, x, positions, key_positions, k_cache, v_cache, taps):
-    """Self-attention of layer il; writes this step's keys/values into the cache at `positions`."""
+def attention(w, il: int, x, positions, attend_len, k_cache, v_cache, taps, slots=None):
+    """Self-attention of layer il; writes this step's keys/values into the cache at `positions`.
+
+    One sequence (slots None): positions (T,), caches (capacity, N_KV_HEAD, HEAD_DIM), row p holds position p,
+    and attention reads the first attend_len rows. B sequences of T tokens (the serving step): positions (B, T),
+    sequence b in cache slot slots[b] of caches (SLOTS, ROWS, N_KV_HEAD, HEAD_DIM), position p in row p % ROWS
+    (a ring when ROWS is below the context: a sliding-window layer keeps only its window and a chunk).
+    """
     p = f"blk.{il}."
     n_tokens = x.type.shape[0]
     q = project(x, w, p + "attn_q.weight")
@@ -209,16 +222,31 @@ def attention(w, il: int, x, positions, key_positions, k_cache, v_cache, taps):
     k = rms_norm(k, w[p + "attn_k_norm.weight"])
     tap(taps, "Qcur_normed", il, q)
     tap(taps, "Kcur_normed", il, k)
-    angles = rope_angles(w, il, positions)
+    token_positions = positions if slots is None else positions.reshape((-1,))
+    angles = rope_angles(w, il, token_positions)
     q = rope(q, angles)
     k = rope(k, angles)
     tap(taps, "Qcur", il, q)
     tap(taps, "Kcur", il, k)
     tap(taps, "Vcur", il, v)
-    k_cache = pt.set_subtensor(k_cache[positions], k)
-    v_cache = pt.set_subtensor(v_cache[positions], v)
-    n_keys = key_positions.shape[0]
-    out = causal_attention(q, k_cache[:n_keys], v_cache[:n_keys], positions, key_positions, SLIDING_WINDOW[il])
+    if slots is None:  # one sequence: position p in cache row p
+        k_cache = pt.set_subtensor(k_cache[positions], k)
+        v_cache = pt.set_subtensor(v_cache[positions], v)
+        keys, values = k_cache[None, :attend_len], v_cache[None, :attend_len]
+        q_positions, key_positions = positions[None, :], pt.arange(attend_len, dtype="int64")[None, :]
+    else:  # sequence b in slot slots[b], position p in row p % ROWS
+        n_seq, n_per_seq = positions.type.shape
+        ring = k_cache.type.shape[1]
+        rows = positions % ring
+        k_cache = pt.set_subtensor(k_cache[slots[:, None], rows], k.reshape((n_seq, n_per_seq, N_KV_HEAD, HEAD_DIM)))
+        v_cache = pt.set_subtensor(v_cache[slots[:, None], rows], v.reshape((n_seq, n_per_seq, N_KV_HEAD, HEAD_DIM)))
+        n_keys = min(attend_len, ring) if isinstance(attend_len, int) else pt.minimum(attend_len, ring)
+        keys, values = k_cache[:, :n_keys][slots], v_cache[:, :n_keys][slots]  # slice, then take the slots
+        # the position row r holds: the latest p <= the sequence's last with p = r (mod ROWS); negative: none yet
+        last = positions[:, -1:]
+        q_positions = positions
+        key_positions = last - (last - pt.arange(n_keys, dtype="int64") + ring) % ring  # + ring: no negative %
+    out = causal_attention(q, keys, values, q_positions, key_positions, SLIDING_WINDOW[il])
     tap(taps, "kqv_out", il, out)
     return project(out, w, p + "attn_output.weight"), k_cache, v_cache
 
@@ -231,12 +259,12 @@ def mlp(w, il: int, x):
     return project(gelu(gate) * up, w, p + "ffn_down.weight")
 
 
-def block(w, il: int, x, positions, key_positions, k_cache, v_cache, taps):
+def block(w, il: int, x, positions, attend_len, k_cache, v_cache, taps, slots=None):
     """Layer il: x + attention(norm(x)), then + mlp(norm(x)), each branch normed before its add."""
     p = f"blk.{il}."
     h = rms_norm(x, w[p + "attn_norm.weight"])
     tap(taps, "attn_norm", il, h)
-    h, k_cache, v_cache = attention(w, il, h, positions, key_positions, k_cache, v_cache, taps)
+    h, k_cache, v_cache = attention(w, il, h, positions, attend_len, k_cache, v_cache, taps, slots)
     h = rms_norm(h, w[p + "post_attention_norm.weight"])
     tap(taps, "attn_post_norm", il, h)
     x = x + h
@@ -272,20 +300,42 @@ def forward(w, tokens, start_pos, kv_cache, attend_len=None, output_rows=None, t
     positions = start_pos + pt.arange(n_tokens, dtype="int64")
     if attend_len is None:
         attend_len = start_pos + n_tokens
-    key_positions = pt.arange(attend_len, dtype="int64")  # cache rows attention reads
     x = embed(w, "token_embd.weight", tokens)
     x = x * np.float32(EMBED_SCALE)
     new_cache = []
     for il in range(N_LAYER):
-        x, k_cache, v_cache = block(w, il, x, positions, key_positions, *kv_cache[il], taps)
+        x, k_cache, v_cache = block(w, il, x, positions, attend_len, *kv_cache[il], taps)
         new_cache.append((k_cache, v_cache))
+    return head(w, x, output_rows, taps), new_cache
+
+
+def forward_slots(w, tokens, positions, slots, kv_cache, attend_len, output_rows=None):
+    """Logits of B sequences of T tokens each, every sequence in its own slot of the KV cache (serving).
+
+    tokens, positions: int64 (B, T) of static shape, the tokens of sequence b at positions[b];
+    slots: int64 (B,), the cache slot of each sequence (distinct);
+    kv_cache: per layer (k, v), each (SLOTS, ROWS, N_KV_HEAD, HEAD_DIM); position p of a slot is in row p % ROWS.
+    attend_len: how many rows attention reads, at least max(positions) + 1 (capped at each layer's ROWS).
+    output_rows: indices into the B*T rows (sequence-major) whose logits are wanted (default: all).
+    """
+    x = embed(w, "token_embd.weight", tokens.reshape((-1,)))
+    x = x * np.float32(EMBED_SCALE)
+    new_cache = []
+    for il in range(N_LAYER):
+        x, k_cache, v_cache = block(w, il, x, positions, attend_len, *kv_cache[il], None, slots)
+        new_cache.append((k_cache, v_cache))
+    return head(w, x, output_rows, None), new_cache
+
+
+def head(w, x, output_rows, taps):
+    """The output head: final norm, then the logits of the rows `output_rows` (all rows when None)."""
     x = rms_norm(x, w["output_norm.weight"])
     tap(taps, "result_norm", -1, x)
     if output_rows is not None:
         x = x[output_rows]
     logits = project(x, w, "token_embd.weight")  # tied: the output projection is the token embedding
     tap(taps, "result_output", -1, logits)
-    return logits, new_cache
+    return logits
 
 
 # ---------------------------------------------------------------------------------------------------

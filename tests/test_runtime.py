@@ -115,7 +115,8 @@ def test_grouped_attention_matches_numpy(tiny_module, window):
     k = pt.tensor("k", dtype="float32", shape=(None, mod.N_KV_HEAD, mod.HEAD_DIM))
     v = pt.tensor("v", dtype="float32", shape=(None, mod.N_KV_HEAD, mod.HEAD_DIM))
     qp, kp = pt.vector("qp", dtype="int64"), pt.vector("kp", dtype="int64")
-    fn = compile_c([q, k, v, qp, kp], mod.causal_attention(q, k, v, qp, kp, window))
+    # one sequence: the batch axis of keys and positions is 1
+    fn = compile_c([q, k, v, qp, kp], mod.causal_attention(q, k[None], v[None], qp[None], kp[None], window))
     qv, kv, vv = f32(T, mod.N_HEAD, mod.HEAD_DIM), f32(S, mod.N_KV_HEAD, mod.HEAD_DIM), f32(S, mod.N_KV_HEAD, mod.HEAD_DIM)
     q_pos = np.array([5, 6, 7, 8])
     ours = fn(qv, kv, vv, q_pos, np.arange(S))

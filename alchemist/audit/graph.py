@@ -373,7 +373,14 @@ class HeadLayouts:
     def merge(out, layouts):
         new = []
         for ax in range(out.ndim):
-            labels = [lay[ax] for lay in layouts if lay[ax] is not None and out.type.shape[ax] != 1]
+            size = out.type.shape[ax]
+            # a label of another size does not describe this axis (the token axis of the rows written into a
+            # cache of more rows): keeping it would mislabel the cache's rows
+            labels = [
+                lay[ax]
+                for lay in layouts
+                if lay[ax] is not None and size != 1 and (size is None or math.prod(s for _, s in lay[ax]) == size)
+            ]
             new.append(labels[0] if labels else None)
         return tuple(new)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import time
@@ -234,6 +235,19 @@ def _prompt_ids(model: LoadedModel, input, chat: bool | None, add_special_tokens
     return tok.encode(text, add_special_tokens=add_special_tokens), info
 
 
+def _one_sequence_at_a_time(fn):
+    """Hold the model's engine lock for the whole call: the KV cache is one shared buffer, so a concurrent
+    call waits for this one (its prefill and every decode step) instead of overwriting its positions."""
+
+    @functools.wraps(fn)
+    def locked(model, *args, **kwargs):
+        with model.engine.lock:
+            return fn(model, *args, **kwargs)
+
+    return locked
+
+
+@_one_sequence_at_a_time
 def inference(
     model: LoadedModel,
     input,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,9 @@ class Engine:
         ]
         self.stats = StepStats()
         self._functions: dict[tuple[int, bool], object] = {}
+        # held by every call that runs or compiles a step function: the cache is one shared buffer updated
+        # in place, so two threads' steps must not interleave (re-entrant: inference() holds it around run())
+        self.lock = threading.RLock()
         if backend in ("jax", "mlx"):
             self._place_on_device()
 
@@ -194,6 +198,14 @@ class Engine:
         key = (n_tokens, all_logits)
         fn = self._functions.get(key)
         if fn is None:
+            with self.lock:
+                return self._compile_step(key)
+        return fn
+
+    def _compile_step(self, key: tuple[int, bool]):
+        n_tokens, all_logits = key
+        fn = self._functions.get(key)  # another thread may have compiled it while this one waited
+        if fn is None:
             t0 = time.perf_counter()
             shared = self._shared_by_name()
             cache_key = self._graph_cache_key(n_tokens, all_logits, shared)
@@ -255,6 +267,10 @@ class Engine:
 
     def run(self, token_ids, start_pos: int, all_logits: bool = False) -> np.ndarray:
         """Feed tokens at positions start_pos..; returns logits of the last token (or of all tokens)."""
+        with self.lock:
+            return self._run(token_ids, start_pos, all_logits)
+
+    def _run(self, token_ids, start_pos: int, all_logits: bool) -> np.ndarray:
         token_ids = [int(t) for t in token_ids]
         if start_pos + len(token_ids) > self.capacity:
             raise AlchemistError(
@@ -281,12 +297,13 @@ class Engine:
     def reset(self) -> None:
         """Forget the sequence. Not needed for correctness (every position is written before it is read),
         but it keeps stale values out of debugging views of the cache."""
-        shape = (self.capacity, self.module.N_KV_HEAD, self.module.HEAD_DIM)
-        for k, v in self.cache:
-            k.set_value(np.zeros(shape, np.float32), borrow=True)
-            v.set_value(np.zeros(shape, np.float32), borrow=True)
-        if self.backend in ("jax", "mlx"):
-            self._place_on_device()
+        with self.lock:
+            shape = (self.capacity, self.module.N_KV_HEAD, self.module.HEAD_DIM)
+            for k, v in self.cache:
+                k.set_value(np.zeros(shape, np.float32), borrow=True)
+                v.set_value(np.zeros(shape, np.float32), borrow=True)
+            if self.backend in ("jax", "mlx"):
+                self._place_on_device()
 
 
 def _dtype_name(array) -> str:

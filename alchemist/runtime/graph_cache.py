@@ -50,8 +50,14 @@ def cache_dir() -> Path:
 
 
 # alchemist's own files a step graph depends on besides the generated module: the kernel Ops with their
-# rewrites, the engine that builds the step, and the backend modes.
-_GRAPH_SOURCES = ("kernels", "runtime/engine.py", "runtime/backends.py", "runtime/graph_cache.py")
+# rewrites, the engines that build the steps, and the backend modes.
+_GRAPH_SOURCES = (
+    "kernels",
+    "runtime/engine.py",
+    "runtime/slot_engine.py",
+    "runtime/backends.py",
+    "runtime/graph_cache.py",
+)
 
 
 @lru_cache(maxsize=1)

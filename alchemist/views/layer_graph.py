@@ -1,6 +1,6 @@
 """`alchemist graph`: one layer's PyTensor graph, as the generated module builds it and after a backend's rewrites.
 
-The layer is the generated module's `block(w, il, x, positions, key_positions, k_cache, v_cache, taps)` called on
+The layer is the generated module's `block(w, il, x, positions, attend_len, k_cache, v_cache, taps)` called on
 symbolic inputs, no weights loaded: x (T, n_embd) float32, a start position, a KV cache of a few rows, and one
 input per weight the block reads, of the dtype and shape the backend gets from load_weights (uint8 GGUF blocks
 for the KERNEL_WEIGHTS on C and Numba, float32 otherwise). The cache write is lowered as the Engine lowers it,
@@ -104,12 +104,11 @@ def build_layer_graph(model: str, layer: int, backend: str = "c", n_tokens: int 
     start_pos = pt.scalar("start_pos", dtype="int64")
     positions = start_pos + pt.arange(n_tokens, dtype="int64")  # as forward() computes them
     attend = capacity if static_shapes(backend) else start_pos + n_tokens
-    key_positions = pt.arange(attend, dtype="int64")
     cache = [
         pt.tensor(f"{kv}_cache.{layer}", dtype="float32", shape=(capacity, att.n_kv_head, att.head_dim)) for kv in "kv"
     ]
     with pytensor.config.change_flags(traceback__limit=0):
-        out, k_new, v_new = module.block(weights, layer, x, positions, key_positions, *cache, None)
+        out, k_new, v_new = module.block(weights, layer, x, positions, attend, *cache, None)
         if not static_shapes(backend):  # the cache writes as the Engine compiles them
             out, [(k_new, v_new)] = Engine._cache_writes_as_slices(out, [(k_new, v_new)], start_pos, n_tokens)
     return LayerGraph(
