@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import resource
 import time
@@ -235,19 +234,6 @@ def _prompt_ids(model: LoadedModel, input, chat: bool | None, add_special_tokens
     return tok.encode(text, add_special_tokens=add_special_tokens), info
 
 
-def _one_sequence_at_a_time(fn):
-    """Hold the model's engine lock for the whole call: the KV cache is one shared buffer, so a concurrent
-    call waits for this one (its prefill and every decode step) instead of overwriting its positions."""
-
-    @functools.wraps(fn)
-    def locked(model, *args, **kwargs):
-        with model.engine.lock:
-            return fn(model, *args, **kwargs)
-
-    return locked
-
-
-@_one_sequence_at_a_time
 def inference(
     model: LoadedModel,
     input,
@@ -278,6 +264,14 @@ def inference(
         raise AlchemistError("the prompt is empty after tokenization")
     if model._scheduler is not None:  # join the running batch (start_batching)
         return _inference_batched(model, prompt, info, max_tokens, sampler.params, stop, stream, validate)
+    # the KV cache is one shared buffer: a concurrent call waits for this one (its prefill and every decode step)
+    # instead of overwriting its positions
+    with engine.lock:
+        return _inference_one(model, prompt, info, max_tokens, sampler, stop, stream, validate)
+
+
+def _inference_one(model, prompt, info, max_tokens, sampler, stop, stream, validate) -> InferenceResult:
+    engine = model.engine
     if len(prompt) + max_tokens > engine.capacity:
         raise AlchemistError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context of {engine.capacity}; "
