@@ -85,9 +85,8 @@ class LoadedModel:
             self.engine, slots, chunk=chunk, decode_buckets=decode_buckets, full_window=full_window
         )
         scheduler = Scheduler(slot_engine, self.tokenizer, max_queue=max_queue)
-        if warm_up:
-            scheduler.warm_up(progress)
-        scheduler.start()
+        scheduler.start(warm_up=warm_up, progress=progress)
+        scheduler.wait_ready()
         self._scheduler = scheduler
         return scheduler
 

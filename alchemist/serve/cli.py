@@ -13,12 +13,27 @@ from pathlib import Path
 
 from alchemist.errors import AlchemistError
 
-DEFAULTS = dict(backend="c", slots=8, context=4096, chunk=32, host="127.0.0.1", port=8080, max_queue=64, drain=10.0)
+DEFAULTS = dict(
+    backend="c",
+    slots=8,
+    context=4096,
+    chunk=32,
+    host="127.0.0.1",
+    port=8080,
+    max_queue=64,
+    drain=10.0,
+    full_window=False,
+)
 
 
 def add_arguments(p) -> None:
     d = DEFAULTS
-    p.add_argument("--backend", default=d["backend"], choices=["c", "numba", "jax", "mlx"])
+    p.add_argument(
+        "--backend",
+        default=d["backend"],
+        choices=["c", "numba"],
+        help="c or numba (batched steps write the " "slot caches in place; jax and mlx would copy them every step)",
+    )
     p.add_argument("--slots", type=int, default=d["slots"], help=f"concurrent sequences (default {d['slots']})")
     p.add_argument("--context", type=int, default=d["context"], help=f"positions per slot (default {d['context']})")
     p.add_argument("--chunk", type=int, default=d["chunk"], help=f"prefill chunk in tokens (default {d['chunk']})")
@@ -27,6 +42,12 @@ def add_arguments(p) -> None:
     p.add_argument("--max-queue", type=int, default=d["max_queue"], help="queued requests before 429 (default 64)")
     p.add_argument("--drain", type=float, default=d["drain"], help="seconds to let streams finish at shutdown")
     p.add_argument("--model-id", default=None, help="the model name clients send (default: the file's stem)")
+    p.add_argument(
+        "--full-window",
+        action="store_true",
+        help="sliding-window layers keep the whole context, as global "
+        "ones do (more memory per slot; lets requests that share a long prefix, e.g. a system prompt, reuse its KV)",
+    )
 
 
 @dataclass
@@ -71,7 +92,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log):
+def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, full_window, log):
     from alchemist import load_llm
 
     try:
@@ -80,10 +101,8 @@ def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log)
     except ImportError as e:
         raise AlchemistError(f"alchemist serve needs the slot engine and the scheduler: {e}") from None
 
-    if backend in ("jax", "mlx"):
-        log(f"alchemist serve: warning: the {backend} backend copies the slot caches every step; serve on c or numba")
     lm = load_llm(model_path, backend=backend, context=context, compile_now=False)
-    slot_engine = SlotEngine(lm.engine, n_slots=slots, chunk=chunk)
+    slot_engine = SlotEngine(lm.engine, n_slots=slots, chunk=chunk, full_window=full_window)
     scheduler = Scheduler(slot_engine, lm.tokenizer, max_queue=max_queue)
     from tqdm.auto import tqdm
 
@@ -93,7 +112,8 @@ def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log)
             bar.set_postfix_str(str(msg)[:60])
             bar.update(1)
 
-        getattr(scheduler, "warm_up", slot_engine.warm_up)(progress)  # the scheduler's also sets stats.warming
+        scheduler.start(warm_up=True, progress=progress)  # /health answers 503 until it is ready
+        scheduler.wait_ready()
     stats = slot_engine.stats
     log(f"alchemist serve: {slots} slots x {slot_engine.capacity} positions, {len(stats.compiled_shapes)} step shapes "
         f"ready ({stats.compile_count} compiled in {stats.compile_seconds:.1f} s)")  # fmt: skip
@@ -116,6 +136,7 @@ def build_server(
     port: int = DEFAULTS["port"],
     max_queue: int = DEFAULTS["max_queue"],
     drain: float = DEFAULTS["drain"],
+    full_window: bool = DEFAULTS["full_window"],
     log_level: str = "warning",
 ) -> ServerHandle:
     """Everything `alchemist serve` runs, unstarted. Pass `scheduler` (and `tokenizer`) to skip loading the model."""
@@ -125,7 +146,7 @@ def build_server(
         from alchemist.serve.app import create_app
     except ImportError as e:
         raise AlchemistError(
-            f"alchemist serve needs fastapi and uvicorn ({e}): pip install 'alchemist[serve]'"
+            f"alchemist serve needs fastapi and uvicorn ({e}), dependencies of alchemist: reinstall it"
         ) from None
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     for name, value in (("slots", slots), ("context", context), ("chunk", chunk), ("max-queue", max_queue)):
@@ -136,7 +157,9 @@ def build_server(
     sock = _bind(host, port)
     try:
         if scheduler is None:
-            scheduler, tokenizer = _build_scheduler(model_path, backend, slots, context, chunk, max_queue, log)
+            scheduler, tokenizer = _build_scheduler(
+                model_path, backend, slots, context, chunk, max_queue, full_window, log
+            )
     except BaseException:
         sock.close()
         raise
@@ -160,6 +183,7 @@ def run_serve(args) -> int:
     handle = build_server(
         args.model, backend=args.backend, slots=args.slots, context=args.context, chunk=args.chunk, host=args.host,
         port=args.port, max_queue=args.max_queue, drain=args.drain, model_id=args.model_id,
+        full_window=args.full_window,
     )  # fmt: skip
     handle.run()
     return 0

@@ -164,6 +164,8 @@ class Scheduler:
         self._step_lock = threading.Lock()  # one step at a time
         self._live: dict[str, Request] = {}
         self._wake = threading.Event()
+        self.ready = threading.Event()  # set by the loop thread once it serves (after its warm-up)
+        self.warm_up_error: BaseException | None = None
         self._closing = False
         self._halt = False
         self._thread: threading.Thread | None = None
@@ -429,22 +431,35 @@ class Scheduler:
         finally:
             self.stats.warming = False
 
-    def start(self, warm_up: bool = False) -> None:
-        """Run step() on a daemon thread (first warming up the engine when warm_up is True)."""
+    def start(self, warm_up: bool = False, progress: Callable[[str], None] | None = None) -> None:
+        """Run step() on a daemon thread (first warming up the engine there when warm_up is True; `ready` is set
+        once it serves).
+
+        Warm up here rather than on the caller's thread: every thread that runs an OpenMP kernel keeps a pool of
+        OpenMP threads, and once the pools hold more threads than there are cores libgomp stops spin-waiting,
+        which made each step of the loop thread ~35% slower after a warm-up on the main thread."""
         if self.running:
             return
         self._halt = False
         self._closing = False
+        self.ready.clear()
         if warm_up:
             self.stats.warming = True
-        self._thread = threading.Thread(target=self._loop, args=(warm_up,), name="alchemist-scheduler", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(warm_up, progress), name="alchemist-scheduler", daemon=True
+        )
         self.stats.running = True
         self._thread.start()
 
-    def _loop(self, warm_up: bool) -> None:
+    def _loop(self, warm_up: bool, progress: Callable[[str], None] | None = None) -> None:
         try:
             if warm_up:
-                self.warm_up()
+                try:
+                    self.warm_up(progress)
+                except BaseException as e:  # noqa: BLE001 (handed to whoever waits on `ready`)
+                    self.warm_up_error = e
+                    return
+            self.ready.set()
             while not self._halt:
                 try:
                     worked = self.step()
@@ -456,6 +471,13 @@ class Scheduler:
                     self._wake.clear()
         finally:
             self.stats.running = False
+            self.ready.set()  # nobody waits forever on a loop that ended
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the loop thread serves; re-raise its warm-up error."""
+        self.ready.wait(timeout)
+        if self.warm_up_error is not None:
+            raise self.warm_up_error
 
     def _fail_all(self, error: str) -> None:
         with self._lock:
