@@ -30,6 +30,19 @@ def _system_openblas() -> str | None:
     return "-lopenblas" if ctypes.util.find_library("openblas") else None
 
 
+def _one_blas_thread() -> None:
+    """Run the system OpenBLAS (the one the C backend links) on one thread, unless OPENBLAS_NUM_THREADS says
+    otherwise. Our kernels parallelize with OpenMP; OpenBLAS's own pthread pool spin-waits between calls and
+    fights the OpenMP team for the cores, which made a prefill (OpenMP dequantization of weight panels, then
+    sgemm) several times slower. numpy's bundled OpenBLAS is another library and is left alone."""
+    if "OPENBLAS_NUM_THREADS" in os.environ:
+        return
+    try:
+        ctypes.CDLL("libopenblas.so.0").openblas_set_num_threads(1)  # the soname the compiled modules load
+    except (OSError, AttributeError):
+        pass
+
+
 def configure_pytensor() -> None:
     """Set PyTensor flags before pytensor is first imported: BLAS for the C backend, float32 default."""
     flags = os.environ.get("PYTENSOR_FLAGS", "")
@@ -38,6 +51,7 @@ def configure_pytensor() -> None:
         ldflags = _system_openblas()
         if ldflags:
             extra.append(f"blas__ldflags={ldflags}")
+            _one_blas_thread()
     if "floatX" not in flags:
         extra.append("floatX=float32")
     if extra:
