@@ -50,7 +50,9 @@ PASSAGES = [
     "In the mountains, the snow line moves up in spring and down in autumn, and the herds follow the grass.",
     "A good map leaves things out: it keeps what the traveller needs and drops everything else.",
 ]
-THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+# alchemist's kernels run --threads OpenMP / Numba threads; its system OpenBLAS stays on one thread (the backend's
+# default: a BLAS pool beside the OpenMP one fights it for the cores). llama.cpp takes --n_threads.
+THREAD_ENV = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 # ---------------------------------------------------------------------------------------------- prompts
