@@ -45,13 +45,13 @@ def _one_blas_thread() -> None:
 
 def configure_pytensor() -> None:
     """Set PyTensor flags before pytensor is first imported: BLAS for the C backend, float32 default."""
+    _one_blas_thread()  # also when blas__ldflags came in PYTENSOR_FLAGS (a child of a process that set it)
     flags = os.environ.get("PYTENSOR_FLAGS", "")
     extra = []
     if "blas__ldflags" not in flags:
         ldflags = _system_openblas()
         if ldflags:
             extra.append(f"blas__ldflags={ldflags}")
-            _one_blas_thread()
     if "floatX" not in flags:
         extra.append("floatX=float32")
     if extra:
