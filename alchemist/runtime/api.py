@@ -269,6 +269,20 @@ def inference(
         return _inference_one(model, prompt, info, max_tokens, sampler, stop, stream, validate)
 
 
+def _report_head(model, prompt, out_ids, stop_reason) -> dict:
+    """The report fields an inference call has whether it ran alone or joined a batch."""
+    return {
+        "backend": model.backend,
+        "blas": blas_info() if model.backend == "c" else None,
+        "alchemist": __version__,
+        "model": model.ir.model_name,
+        "architecture": model.ir.architecture,
+        "prompt_tokens": len(prompt),
+        "generated_tokens": len(out_ids),
+        "stop_reason": stop_reason,
+    }
+
+
 def _inference_one(model, prompt, info, max_tokens, sampler, stop, stream, validate) -> InferenceResult:
     engine = model.engine
     if len(prompt) + max_tokens > engine.capacity:
@@ -320,14 +334,7 @@ def _inference_one(model, prompt, info, max_tokens, sampler, stop, stream, valid
     n_decoded = max(len(out_ids) - 1, 0)  # the first new token comes from the prefill logits
 
     report = {
-        "backend": model.backend,
-        "blas": blas_info() if model.backend == "c" else None,
-        "alchemist": __version__,
-        "model": model.ir.model_name,
-        "architecture": model.ir.architecture,
-        "prompt_tokens": len(prompt),
-        "generated_tokens": len(out_ids),
-        "stop_reason": stop_reason,
+        **_report_head(model, prompt, out_ids, stop_reason),
         "timings": {
             "load_s": round(model.load_seconds, 3),
             "weights_s": round(model.weights_seconds, 3),
@@ -387,14 +394,7 @@ def _inference_batched(model, prompt, info, max_tokens, params, stop, stream, va
     t_decode = req.t_done - req.t_first if req.t_first is not None else 0.0
     n_decoded = max(len(out_ids) - 1, 0)
     report = {
-        "backend": model.backend,
-        "blas": blas_info() if model.backend == "c" else None,
-        "alchemist": __version__,
-        "model": model.ir.model_name,
-        "architecture": model.ir.architecture,
-        "prompt_tokens": len(prompt),
-        "generated_tokens": len(out_ids),
-        "stop_reason": stop_reason,
+        **_report_head(model, prompt, out_ids, stop_reason),
         "batched": {
             "slots": slot_engine.n_slots,
             "chunk": slot_engine.chunk,

@@ -371,6 +371,19 @@ def create_app(
     def _sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
+    def _sse_end(done, final: list[dict], include_usage: bool):
+        """A stream's last events: the error, or the final chunks and (when asked) the usage chunk; then [DONE]."""
+        err = _end_error(done)
+        if err is not None:
+            yield _sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
+        else:
+            for c in final:
+                yield _sse(c)
+            if include_usage:
+                u = {k: final[-1][k] for k in ("id", "object", "created", "model")}
+                yield _sse({**u, "choices": [], "usage": _usage(done)})
+        yield "data: [DONE]\n\n"
+
     def _stream(gen) -> StreamingResponse:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
@@ -442,20 +455,11 @@ def create_app(
                                 c["usage"] = None
                             yield _sse(c)
                         continue
-                    err = _end_error(ev)
-                    if err is not None:
-                        yield _sse({"error": {"message": err.message, "type": err.type, "param": None,
-                                              "code": err.code}})  # fmt: skip
-                    else:
-                        c = chunk(ev.text, ev.finish_reason)
-                        if include_usage:
-                            c["usage"] = None
-                        yield _sse(c)
-                        if include_usage:
-                            u = {"id": rid, "object": "text_completion", "created": t0, "model": model_id,
-                                 "choices": [], "usage": _usage(ev)}  # fmt: skip
-                            yield _sse(u)
-                    yield "data: [DONE]\n\n"
+                    final = chunk(ev.text, ev.finish_reason)
+                    if include_usage:
+                        final["usage"] = None
+                    for line in _sse_end(ev, [final], include_usage):
+                        yield line
 
             return _stream(gen())
 
@@ -516,19 +520,12 @@ def create_app(
                         if ev.text or lp is not None:
                             yield sse(chunk({"content": ev.text}, logprobs=None if lp is None else {"content": [lp]}))
                         continue
-                    err = _end_error(ev)
-                    if err is not None:
-                        yield _sse({"error": {"message": err.message, "type": err.type, "param": None,
-                                              "code": err.code}})  # fmt: skip
-                    else:
-                        if ev.text:
-                            yield sse(chunk({"content": ev.text}))
-                        yield sse(chunk({}, ev.finish_reason))
-                        if include_usage:
-                            u = {"id": rid, "object": "chat.completion.chunk", "created": t0, "model": model_id,
-                                 "choices": [], "usage": _usage(ev)}  # fmt: skip
-                            yield _sse(u)
-                    yield "data: [DONE]\n\n"
+                    final = ([chunk({"content": ev.text})] if ev.text else []) + [chunk({}, ev.finish_reason)]
+                    if include_usage:
+                        for c in final:
+                            c["usage"] = None
+                    for line in _sse_end(ev, final, include_usage):
+                        yield line
 
             return _stream(gen())
 
