@@ -72,6 +72,24 @@ class StepStats:
     compiled_shapes: list = field(default_factory=list)
 
 
+def load_or_compile(stats, t0: float, cache_key: str | None, shared: dict, mode, build):
+    """A step function linked from the rewritten-graph cache, or compiled from build() -> (inputs, outputs,
+    updates) and saved there; counted in stats (time since t0, one compile)."""
+    fn = graph_cache.load(cache_key, shared, mode) if cache_key else None
+    if fn is not None:
+        stats.graph_cache_hits += 1
+    else:
+        inputs, logits, updates = build()
+        fn = pytensor.function(
+            inputs, logits, updates=updates, mode=mode, accept_inplace=True, on_unused_input="ignore"
+        )
+        if cache_key:
+            graph_cache.save(cache_key, fn)
+    stats.compile_seconds += time.perf_counter() - t0
+    stats.compile_count += 1
+    return fn
+
+
 class Engine:
     """Runs a generated module's `forward` on one backend with a persistent KV cache."""
 
@@ -209,18 +227,9 @@ class Engine:
             t0 = time.perf_counter()
             shared = self._shared_by_name()
             cache_key = self._graph_cache_key(n_tokens, all_logits, shared)
-            fn = graph_cache.load(cache_key, shared, self.mode) if cache_key else None
-            if fn is not None:
-                self.stats.graph_cache_hits += 1
-            else:
-                inputs, logits, updates = self._build(n_tokens, all_logits)
-                fn = pytensor.function(
-                    inputs, logits, updates=updates, mode=self.mode, accept_inplace=True, on_unused_input="ignore"
-                )
-                if cache_key:
-                    graph_cache.save(cache_key, fn)
-            self.stats.compile_seconds += time.perf_counter() - t0
-            self.stats.compile_count += 1
+            fn = load_or_compile(
+                self.stats, t0, cache_key, shared, self.mode, lambda: self._build(n_tokens, all_logits)
+            )
             self.stats.compiled_shapes.append(key)
             self._functions[key] = fn
         return fn

@@ -28,7 +28,7 @@ import numpy as np
 
 from alchemist.errors import AlchemistError
 from alchemist.runtime import graph_cache
-from alchemist.runtime.engine import _SOURCE_SHA256, Engine, is_as_imported
+from alchemist.runtime.engine import _SOURCE_SHA256, Engine, is_as_imported, load_or_compile
 
 import pytensor  # noqa: E402  (configured by alchemist.runtime.engine)
 import pytensor.tensor as pt  # noqa: E402
@@ -196,23 +196,9 @@ class SlotEngine:
             t0 = time.perf_counter()
             shared = self._shared_by_name()
             cache_key = self._graph_cache_key(n_seq, n_tokens, shared)
-            fn = graph_cache.load(cache_key, shared, self.engine.mode) if cache_key else None
-            if fn is not None:
-                self.stats.graph_cache_hits += 1
-            else:
-                inputs, logits, updates = self._build(n_seq, n_tokens)
-                fn = pytensor.function(
-                    inputs,
-                    logits,
-                    updates=updates,
-                    mode=self.engine.mode,
-                    accept_inplace=True,
-                    on_unused_input="ignore",
-                )
-                if cache_key:
-                    graph_cache.save(cache_key, fn)
-            self.stats.compile_seconds += time.perf_counter() - t0
-            self.stats.compile_count += 1
+            fn = load_or_compile(
+                self.stats, t0, cache_key, shared, self.engine.mode, lambda: self._build(n_seq, n_tokens)
+            )
             self.stats.compiled_shapes.append(key)
             self._functions[key] = fn
             return fn
