@@ -172,7 +172,7 @@ def _cmd_families(args) -> int:
                 ir = build_model_ir(read_gguf(write_fixture(Path(tmp) / "f.gguf", case)))
                 print(f"{case:20} {', '.join(quirks(ir))}")
         return 0
-    from alchemist.harness.families import validate_families, write_results
+    from alchemist.harness.families import merge_results, validate_families, write_results
     from alchemist.runtime.backends import BACKENDS
 
     cases = args.cases.split(",") if args.cases else list(FIXTURES)
@@ -181,9 +181,13 @@ def _cmd_families(args) -> int:
         raise AlchemistError(f"--cases: no such fixture {unknown} (choose from {', '.join(FIXTURES)})")
     backends = list(BACKENDS) if args.backend == "all" else args.backend.split(",")
     rows = validate_families(cases, backends, args.types.split(","), args.workdir, n_generate=args.generate)
-    write_results(rows, Path(args.output), Path(args.readme) if args.readme else None)
     n_failed = sum(1 for r in rows if "passed" in r and not r["passed"])
-    print(f"{len(rows) - len(cases) - n_failed} passed, {n_failed} failed; results: {args.output}")
+    n_passed = len(rows) - len(cases) - n_failed
+    output = Path(args.output)
+    if args.cases and output.exists():
+        rows = merge_results(json.loads(output.read_text()), rows, FIXTURES)
+    write_results(rows, output, Path(args.readme) if args.readme else None)
+    print(f"{n_passed} passed, {n_failed} failed; results: {args.output}")
     return 0 if n_failed == 0 else 1
 
 
@@ -374,7 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("families", help="list the supported families; --validate runs every fixture against llama.cpp")
     p.add_argument("--validate", action="store_true", help="validate each family's fixture (minutes per family)")
-    p.add_argument("--cases", help="comma-separated fixtures (default: all; see `alchemist families`)")
+    p.add_argument(
+        "--cases",
+        help="comma-separated fixtures (default: all; see `alchemist families`); "
+        "with an existing -o file, only their rows are replaced",
+    )
     p.add_argument("--backend", default="all", help="all, or a comma-separated list of c,numba,jax,mlx")
     p.add_argument("--types", default="F32,Q8_0,Q4_K", help="weight types (default F32,Q8_0,Q4_K)")
     p.add_argument("--generate", type=int, default=32, help="greedy tokens checked per run")

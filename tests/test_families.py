@@ -12,7 +12,14 @@ from alchemist.arch import build_model_ir
 from alchemist.codegen import render_module
 from alchemist.fixtures import FAMILIES, FIXTURES, fixture_spec, write_fixture
 from alchemist.gguf_io import read_gguf
-from alchemist.harness.families import TABLE_BEGIN, TABLE_END, architecture_markdown, fixture_module_sha256, quirks
+from alchemist.harness.families import (
+    TABLE_BEGIN,
+    TABLE_END,
+    architecture_markdown,
+    fixture_module_sha256,
+    merge_results,
+    quirks,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "architectures.json"
@@ -21,7 +28,10 @@ RESULTS = REPO / "docs" / "architectures.json"
 @pytest.fixture(scope="module")
 def fixture_irs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {case: build_model_ir(read_gguf(write_fixture(root / f"{case.replace(':', '_')}.gguf", case))) for case in FIXTURES}
+    return {
+        case: build_model_ir(read_gguf(write_fixture(root / f"{case.replace(':', '_')}.gguf", case)))
+        for case in FIXTURES
+    }
 
 
 def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
@@ -72,9 +82,18 @@ def test_readme_table_is_generated_from_current_results(fixture_irs):
     recorded = {r["case"]: r for r in rows if "quirks" in r}
     assert set(recorded) == set(FIXTURES), "run `alchemist families --validate --readme README.md`"
     for case, ir in fixture_irs.items():
-        assert recorded[case]["module_sha256"] == fixture_module_sha256(ir), (
-            f"{case}: docs/architectures.json was measured on other code; rerun `alchemist families --validate`"
-        )
+        assert recorded[case]["module_sha256"] == fixture_module_sha256(
+            ir
+        ), f"{case}: docs/architectures.json was measured on other code; rerun `alchemist families --validate`"
     readme = (REPO / "README.md").read_text()
     table = readme[readme.index(TABLE_BEGIN) + len(TABLE_BEGIN) : readme.index(TABLE_END)].strip()
     assert table == architecture_markdown(rows)
+
+
+def test_validating_some_cases_replaces_only_their_rows():
+    def rows(case, tag):
+        return [{"case": case, "backend": "c", "tag": tag}, {"case": case, "quirks": [], "tag": tag}]
+
+    old = rows("a", "old") + rows("b", "old") + rows("gone", "old")
+    merged = merge_results(old, rows("b", "new") + rows("c", "new"), ["a", "b", "c"])
+    assert [(r["case"], r["tag"]) for r in merged] == [("a", "old")] * 2 + [("b", "new")] * 2 + [("c", "new")] * 2

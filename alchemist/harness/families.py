@@ -174,6 +174,20 @@ def architecture_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def merge_results(old_rows: list[dict], new_rows: list[dict], case_order) -> list[dict]:
+    """`new_rows` replace every row of the cases they cover; the other cases' rows are kept. Rows come out grouped
+    by case in `case_order` (cases no longer in it are dropped), so validating only the new or changed fixtures
+    updates the record instead of erasing the rest."""
+    by_case: dict[str, list[dict]] = {}
+    fresh = {r["case"] for r in new_rows}
+    for r in old_rows:
+        if r["case"] not in fresh:
+            by_case.setdefault(r["case"], []).append(r)
+    for r in new_rows:
+        by_case.setdefault(r["case"], []).append(r)
+    return [r for case in case_order for r in by_case.get(case, [])]
+
+
 def write_results(rows: list[dict], json_path: Path, readme: Path | None = None) -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(rows, indent=1, default=float) + "\n")
