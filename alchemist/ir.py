@@ -210,6 +210,9 @@ class ModelIR:
     layers: tuple[LayerSpec, ...]
     output: OutputSpec
     tensors: tuple[TensorBinding, ...]
+    # (alchemist's tap name, llama.cpp's callback name for the same tensor) where the family's graph names it
+    # its own way (lfm2)
+    tap_names: tuple[tuple[str, str], ...] = field(default=(), metadata=LATER)
 
     @property
     def attention_layers(self) -> tuple[LayerSpec, ...]:

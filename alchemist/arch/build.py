@@ -341,4 +341,5 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         ),
         # GGUF file order: the order the loader reads the memory map in
         tensors=tuple(bindings[n] for n in facts.tensors),
+        tap_names=family.tap_names,
     )

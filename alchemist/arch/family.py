@@ -181,5 +181,8 @@ class Family:
     # a table entry with a `mixer` exists only in the layers that mix that way
     layer_mixers: Callable[[Hparams, int], list[str]] | None = None
     output_norm: str = "output_norm.weight"  # the final norm's tensor (lfm2: token_embd_norm.weight)
+    # (alchemist's tap name, llama.cpp's name for that tensor) where src/models/<family>.cpp names its
+    # intermediates its own way; a name llama.cpp uses for another tensor must be mapped away from it
+    tap_names: tuple[tuple[str, str], ...] = ()
     fixture: FixtureSpec = FixtureSpec()
     notes: tuple[str, ...] = field(default=())

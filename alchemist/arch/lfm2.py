@@ -46,6 +46,19 @@ FAMILY = Family(
     activation=Activation.SILU,
     layer_mixers=_mixers,
     output_norm="token_embd_norm.weight",
+    # lfm2.cpp's names; its Qcur/Kcur are the projections (before the norm and RoPE), and it names the FFN's
+    # input norm "ffn_out"
+    tap_names=(
+        ("attn_norm", "model.layers.{}.operator_norm"),
+        ("Qcur_normed", "model.layers.{}.self_attn.q_layernorm"),
+        ("Kcur_normed", "model.layers.{}.self_attn.k_layernorm"),
+        ("Qcur", "Qcur_rope"),
+        ("Kcur", "Kcur_rope"),
+        ("conv_in", "model.layers.{}.conv.in_proj"),
+        ("conv", "model.layers.{}.conv.conv"),
+        ("conv_out", "model.layers.{}.conv.out_proj"),
+        ("ffn_norm", "model.layers.{}.ffn_out"),
+    ),
     # layers 0 and 3 convolve, 1 and 2 attend: both kinds within the first two layers
     fixture=FixtureSpec(
         n_layer=4,

@@ -202,6 +202,8 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         )
         rows.append(("CONV_KERNEL", conv.kernel, "positions a convolution output reads, the current one last"))
         rows.append(("LAYER_CACHES", ir.layer_caches(), "per layer: its caches, (kind, shape of a position's row)"))
+    if ir.tap_names:
+        rows.append(("TAP_NAMES", ir.tap_names, "(tap, llama.cpp's name for that tensor in this family's graph)"))
     return rows
 
 
@@ -251,6 +253,7 @@ def template_context(ir: ModelIR) -> dict:
         rope_layers=any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.attention_layers)
         and style is not RopeStyle.NONE,
         conv=conv,
+        tap_names=bool(ir.tap_names),
         rope_factors=att.rope.freq_factors,
         rope_scaling=att.rope.scaling.value,
         rope_factors_short=att.rope.freq_factors_short,
