@@ -141,3 +141,26 @@ def test_diff_names_the_convolution_when_its_filter_is_perturbed(lfm2_path, monk
     assert diff["first_divergence"] == "model.layers.{}.conv.conv-3"
     rows = dict(diff["rows"])
     assert rows["model.layers.{}.conv.in_proj-3"] <= 1e-6 < rows["model.layers.{}.conv.conv-3"]
+
+
+def test_slot_engine_keeps_a_conv_cache_per_slot(lfm2_loaded):
+    """Two prompts prefilled in chunks into two slots (one a prefix copy of the other), then decoded together:
+    every logit row equals the single-sequence engine's at that position."""
+    from alchemist.runtime.engine import Engine
+    from alchemist.runtime.slot_engine import SlotEngine
+
+    weights = lfm2_loaded.weights_for("c")
+    single = Engine(lfm2_loaded.module, weights, "c", 32)
+    slots = SlotEngine(Engine(lfm2_loaded.module, weights, "c", 32), n_slots=2, chunk=4, decode_buckets=(2,))
+    assert slots.cache[0][0].name == "conv_slots.0" and slots.cache[0][0].type.shape == (3, 32, 256)
+    a, b = PROMPT[:9], PROMPT[:4] + [5, 77, 300]
+    for (lo, hi) in slots.chunk_plan(len(a)):
+        slots.prefill(0, a[lo:hi], lo)
+    shared = slots.reusable_prefix(len(a), 4, len(b))
+    assert shared == 4  # the first chunk: its conv rows are copied with the KV rows
+    slots.copy_prefix(0, 1, shared)
+    got_b = slots.prefill(1, b[4:], 4)
+    got = slots.decode([0, 1], [17, 64], [len(a), len(b)])
+    ref_a, ref_b = single.run(a + [17], 0, all_logits=True), single.run(b + [64], 0, all_logits=True)
+    assert _nmse(got_b, ref_b[len(b) - 1]) < 1e-9
+    assert _nmse(got[0], ref_a[-1]) < 1e-9 and _nmse(got[1], ref_b[-1]) < 1e-9
