@@ -154,7 +154,7 @@ def test_slot_engine_keeps_a_conv_cache_per_slot(lfm2_loaded):
     slots = SlotEngine(Engine(lfm2_loaded.module, weights, "c", 32), n_slots=2, chunk=4, decode_buckets=(2,))
     assert slots.cache[0][0].name == "conv_slots.0" and slots.cache[0][0].type.shape == (3, 32, 256)
     a, b = PROMPT[:9], PROMPT[:4] + [5, 77, 300]
-    for (lo, hi) in slots.chunk_plan(len(a)):
+    for lo, hi in slots.chunk_plan(len(a)):
         slots.prefill(0, a[lo:hi], lo)
     shared = slots.reusable_prefix(len(a), 4, len(b))
     assert shared == 4  # the first chunk: its conv rows are copied with the KV rows

@@ -213,7 +213,9 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         return first_of.get(spec.mixer, 0) if spec is not None and spec.mixer else 0
 
     layer0 = {
-        spec.suffix for spec in family.tensors if spec.per_layer and spec.name.format(il=first_layer(spec.suffix)) in bound
+        spec.suffix
+        for spec in family.tensors
+        if spec.per_layer and spec.name.format(il=first_layer(spec.suffix)) in bound
     }
     wiring = family.wiring_for(hp, layer0) if family.wiring_for else family.wiring
 
