@@ -37,7 +37,8 @@ def _cmd_inspect(args) -> int:
 def describe_components(ir) -> list[str]:
     """One line per component kind of the IR (what `alchemist inspect` prints)."""
     lay = ir.layers[0]
-    att, mlp, rope = lay.attention, lay.mlp, lay.attention.rope
+    att, mlp = ir.attention_layers[0].attention, lay.mlp
+    rope = att.rope
 
     def norm(spec) -> str:
         return "none" if spec is None else f"{spec.kind.value}{'+bias' if spec.bias else ''}"
@@ -49,9 +50,15 @@ def describe_components(ir) -> list[str]:
         f"q/k {norm(att.q_norm)} norm per {att.qk_norm_scope.value}" if att.q_norm else "",
         f"softcap {att.logit_softcap:g}" if att.logit_softcap else "",
     ]
-    rotating = [x.attention.rope.style.value != "none" for x in ir.layers]
-    windows = sorted({x.attention.sliding_window for x in ir.layers})
+    rotating = [x.attention.rope.style.value != "none" for x in ir.attention_layers]
+    windows = sorted({x.attention.sliding_window for x in ir.attention_layers})
+    convs = [x.index for x in ir.layers if x.conv is not None]
     return [
+        *(
+            [f"short conv    layers {convs}: length {ir.layers[convs[0]].conv.kernel}, gated (B·X in, C· out)"]
+            if convs
+            else []
+        ),
         f"layers        {ir.n_layer}   d_model {ir.n_embd}   {lay.wiring.value} block, norms: attn {norm(lay.attn_norm)}, "
         f"ffn {norm(lay.ffn_norm)}, post {norm(lay.attn_post_norm)}/{norm(lay.ffn_post_norm)}"
         + (f", residual x{lay.residual_scale:g}" if lay.residual_scale != 1.0 else ""),
@@ -59,7 +66,7 @@ def describe_components(ir) -> list[str]:
         f"scale {att.score_scale:.6g}" + "".join(f", {e}" for e in extras if e),
         f"mlp           {mlp.kind.value}, {mlp.activation.value}, ffn {mlp.n_ff}" + (", biases" if mlp.up_bias else ""),
         f"rope          {rope.style.value if all(rotating) or not any(rotating) else f'{sum(rotating)} of {ir.n_layer} layers'}, "
-        f"dims {rope.dim}, scaling {rope.scaling.value}, bases {sorted({x.attention.rope.base for x in ir.layers})}",
+        f"dims {rope.dim}, scaling {rope.scaling.value}, bases {sorted({x.attention.rope.base for x in ir.attention_layers})}",
         f"windows       {windows} (0 = global)",
         f"embedding     scale {ir.embedding.scale:g}" + (", learned positions" if ir.embedding.positions else ""),
         f"vocabulary    {ir.n_vocab}   context {ir.n_ctx_train}   output "

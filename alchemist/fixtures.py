@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import gguf
 
 from alchemist.arch import FAMILIES as _FAMILIES
 from alchemist.arch.build import EPS_KEYS
+from alchemist.arch.family import Hparams
 from alchemist.arch.table import Dims
 from alchemist.tokenizer.tokenizer import BYTE_TO_UNICODE
 
@@ -119,6 +121,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     cfg = config or FixtureConfig(arch=arch)
     n_layer = cfg.n_layer or spec.n_layer
     rng = np.random.default_rng(cfg.seed)
+    extra = dict(spec.metadata + cfg.metadata)
     dims = Dims(
         n_vocab=cfg.n_vocab,
         n_embd=cfg.n_embd,
@@ -128,7 +131,9 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         n_ff=cfg.n_ff,
         rope_dim=cfg.rope_dim or spec.rope_dim or cfg.head_dim,
         n_ctx=cfg.n_ctx,
+        conv_kernel=int(extra.get("shortconv.l_cache", 0)),
     )
+    mixers = _layer_mixers(family, arch, extra, n_layer)
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
     # no family name in general.name: llama.cpp keys tokenizer quirks on it (a "phi3" name expects </s>)
@@ -138,14 +143,15 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     w.add_block_count(n_layer)
     w.add_feed_forward_length(cfg.n_ff)
     w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_kv_head)
+    if "attention.head_count_kv" not in extra:  # else per layer (a hybrid's), written with the extras
+        w.add_head_count_kv(cfg.n_kv_head)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_float32(f"{arch}.{EPS_KEYS[family.norm]}", cfg.norm_eps)
     w.add_rope_freq_base(cfg.rope_base)
     w.add_rope_dimension_count(dims.rope_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if weight_type == "F32" else gguf.LlamaFileType.MOSTLY_F16)
-    for key, value in dict(spec.metadata + cfg.metadata).items():
+    for key, value in extra.items():
         _metadata_value(w, f"{arch}.{key}", value)
     _write_vocab(w, spec.vocab, cfg.n_vocab)
 
@@ -171,13 +177,15 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
             return (0.1 * rng.standard_normal(shape)).astype(np.float32)
         if role == "rope_factors":
             return rng.uniform(1.0, 4.0, shape).astype(np.float32)
+        if role == "conv":  # a depthwise filter (channels, taps)
+            return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
         raise ValueError(f"{arch} fixture: no values for role {role!r} ({name})")
 
     wanted = [t for t in family.tensors if t.required or t.name in spec.optional]
     for t in (t for t in wanted if not t.per_layer):
         w.add_tensor(t.name, values(t.name, t.role, dims.resolve(t.shape)))
     for il in range(n_layer):
-        for t in (t for t in wanted if t.per_layer):
+        for t in (t for t in wanted if t.per_layer and (t.mixer is None or t.mixer == mixers[il])):
             name = t.name.format(il=il)
             w.add_tensor(name, values(name, t.role, dims.resolve(t.shape)))
 
@@ -186,6 +194,15 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _layer_mixers(family, arch: str, metadata: dict, n_layer: int) -> list[str]:
+    """How each layer mixes tokens, as the family reads it from the metadata this fixture writes."""
+    if family.layer_mixers is None:
+        return ["attention"] * n_layer
+    values = {f"{arch}.{k}": np.array(v) if isinstance(v, tuple) else v for k, v in metadata.items()}
+    facts = SimpleNamespace(path="<fixture>", metadata=values, tensors={})
+    return family.layer_mixers(Hparams(facts, arch), n_layer)
 
 
 def _write_vocab(w: gguf.GGUFWriter, kind: str, n_vocab: int) -> None:

@@ -13,8 +13,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+
+# field metadata of a field added after IRs were first hashed: to_dict() leaves it out while it holds its
+# default, so the IR (and the ir_sha256 of the generated module) of a model that does not use it is unchanged
+LATER = {"omit_default": True}
 
 
 class RopeStyle(str, Enum):
@@ -146,16 +150,28 @@ class MLPSpec:
 
 
 @dataclass(frozen=True)
+class ShortConvSpec:
+    """A gated short causal convolution mixing tokens instead of attention (lfm2):
+    B, C, X = split3(in_proj(x)); out_proj(C · conv(B · X)), conv depthwise over the last `kernel` positions."""
+
+    kernel: int  # positions each output reads: the current one and kernel - 1 before it
+    in_proj: str  # (3·n_embd, n_embd): [B | C | X]
+    conv: str  # (n_embd, kernel): weight [d, kernel - 1] multiplies the current position
+    out_proj: str  # (n_embd, n_embd)
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     index: int
     wiring: Wiring
-    attention: AttentionSpec
+    attention: AttentionSpec | None  # None in a layer that mixes tokens otherwise (conv)
     mlp: MLPSpec
     attn_norm: NormSpec | None  # before attention (and before the MLP too, in a parallel block)
     ffn_norm: NormSpec | None  # before the MLP
     attn_post_norm: NormSpec | None = None  # on the attention output, before the residual add
     ffn_post_norm: NormSpec | None = None
     residual_scale: float = 1.0  # multiplies each branch before the residual add (granite)
+    conv: ShortConvSpec | None = field(default=None, metadata=LATER)  # the token mixer when attention is None
 
 
 @dataclass(frozen=True)
@@ -194,6 +210,26 @@ class ModelIR:
     layers: tuple[LayerSpec, ...]
     output: OutputSpec
     tensors: tuple[TensorBinding, ...]
+    # (alchemist's tap name, llama.cpp's callback name for the same tensor) where the family's graph names it
+    # its own way (lfm2)
+    tap_names: tuple[tuple[str, str], ...] = field(default=(), metadata=LATER)
+
+    @property
+    def attention_layers(self) -> tuple[LayerSpec, ...]:
+        """The layers that mix tokens with attention: all of them, except a hybrid's convolution layers."""
+        return tuple(lay for lay in self.layers if lay.attention is not None)
+
+    def layer_caches(self) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
+        """Per layer, the caches its token mixer keeps, each (kind, shape of one position's row): "k" and "v"
+        (N_KV_HEAD, HEAD_DIM) for attention, "conv" (n_embd,) (the gated input B·X) for a short convolution."""
+        caches = []
+        for lay in self.layers:
+            if lay.conv is not None:
+                caches.append((("conv", (self.n_embd,)),))
+            else:
+                row = (lay.attention.n_kv_head, lay.attention.head_dim)
+                caches.append((("k", row), ("v", row)))
+        return tuple(caches)
 
     def tensor(self, name: str) -> TensorBinding:
         for t in self.tensors:
@@ -202,7 +238,7 @@ class ModelIR:
         raise KeyError(name)
 
     def to_dict(self) -> dict:
-        return _jsonable(dataclasses.asdict(self))
+        return _jsonable(_asdict(self))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -211,6 +247,23 @@ class ModelIR:
         """sha256 of the canonical JSON: the generated module records it, the auditor re-checks it."""
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _asdict(obj):
+    """dataclasses.asdict, leaving out LATER fields that hold their default."""
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.metadata.get("omit_default") and value == f.default:
+                continue
+            out[f.name] = _asdict(value)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_asdict(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _asdict(v) for k, v in obj.items()}
+    return obj
 
 
 def _jsonable(obj):

@@ -47,13 +47,9 @@ def _forward(model, tokens, output_rows=None):
     """forward() over a zero cache of exactly the tokens' length; returns the logits expression."""
     module = model.module
     n = tokens.type.shape[0]
-    cache = [
-        (
-            pt.zeros((n, module.N_KV_HEAD, module.HEAD_DIM), dtype="float32"),
-            pt.zeros((n, module.N_KV_HEAD, module.HEAD_DIM), dtype="float32"),
-        )
-        for _ in range(module.N_LAYER)
-    ]
+    from alchemist.runtime.engine import layer_caches
+
+    cache = [tuple(pt.zeros((n, *row), dtype="float32") for _, row in layer) for layer in layer_caches(module)]
     start = pt.constant(np.int64(0), name="start_pos")
     logits, _ = module.forward(model.engine.weights, tokens, start, cache, output_rows=output_rows)
     return logits

@@ -179,7 +179,7 @@ def swap_reshape(text: str, pair: tuple[int, int]) -> str:
 
 def mutate_head_split_transposed(text: str, ir) -> str:
     """The split into (..., n_head, head_dim) made dim-major."""
-    att = ir.layers[0].attention
+    att = ir.attention_layers[0].attention
     return swap_reshape(text, (att.n_head, att.head_dim))
 
 

@@ -37,7 +37,7 @@ def fixture_irs(tmp_path_factory):
 def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
     wanted = {
         "llama", "qwen2", "qwen3", "gemma3", "gemma", "gemma2", "phi3", "granite", "olmo2", "smollm3",
-        "starcoder2", "gpt2", "stablelm", "internlm2", "exaone", "exaone4", "command-r", "cohere2",
+        "starcoder2", "gpt2", "stablelm", "internlm2", "exaone", "exaone4", "command-r", "cohere2", "lfm2",
     }  # fmt: skip
     assert set(FAMILIES) == set(FAMILY_VALUES) == wanted
     for case in FIXTURES:
@@ -49,7 +49,7 @@ def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
 
 @pytest.mark.parametrize("kind", ["linear", "llama3", "yarn", "longrope"])
 def test_each_rope_scaling_kind_has_a_fixture(fixture_irs, kind):
-    assert any(ir.layers[0].attention.rope.scaling.value == kind for ir in fixture_irs.values())
+    assert any(ir.attention_layers[0].attention.rope.scaling.value == kind for ir in fixture_irs.values())
 
 
 def test_fixture_modules_render_and_differ_by_component(fixture_irs):
@@ -65,6 +65,8 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     assert "ATTN_LOGIT_SOFTCAP" in sources["gemma2"] and "FINAL_LOGIT_SOFTCAP" in sources["gemma2"]
     assert "def yarn_frequency_scale(" in sources["qwen2:yarn"]
     assert 'w["rope_factors_long.weight"] if n_ctx > ROPE_ORIG_CTX' in sources["phi3"]
+    assert "def short_conv(" in sources["lfm2"] and "CONV_LAYERS = (True, False, False, True)" in sources["lfm2"]
+    assert all("def short_conv(" not in src and "TAP_NAMES" not in src for c, src in sources.items() if c != "lfm2")
 
 
 def test_quirks_name_what_differs_from_llama(fixture_irs):
@@ -73,6 +75,7 @@ def test_quirks_name_what_differs_from_llama(fixture_irs):
     assert "parallel block" in quirks(fixture_irs["stablelm:parallel"])
     assert "parallel block" not in quirks(fixture_irs["stablelm"])
     assert "post-norm only" in quirks(fixture_irs["olmo2"])
+    assert quirks(fixture_irs["lfm2"])[:2] == ["short-conv layers (2 of 4)", "q/k rms norm per head"]
 
 
 def test_readme_table_is_generated_from_current_results(fixture_irs):

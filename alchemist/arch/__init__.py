@@ -14,6 +14,7 @@ from alchemist.arch import (
     gpt2,
     granite,
     internlm2,
+    lfm2,
     llama,
     olmo2,
     phi3,
@@ -48,6 +49,7 @@ FAMILY_MODULES = (
     exaone4,
     command_r,
     cohere2,
+    lfm2,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

@@ -28,6 +28,7 @@ from alchemist.ir import (
     RopeScaling,
     RopeSpec,
     RopeStyle,
+    ShortConvSpec,
     TensorBinding,
 )
 from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
@@ -35,13 +36,17 @@ from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
 EPS_KEYS = {NormKind.RMS: "attention.layer_norm_rms_epsilon", NormKind.LAYER: "attention.layer_norm_epsilon"}
 
 
-def read_dims(facts: GGUFFacts, hp: Hparams) -> Dims:
+def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None) -> Dims:
+    """The dimensions the tensor table names; `mixers` (a hybrid's per-layer token mixers) makes head_count_kv
+    per layer and reads the convolution length."""
     path, arch = facts.path, hp.arch
     n_embd = hp.int("embedding_length", minimum=1)
     n_head = hp.int("attention.head_count", minimum=1)
     if n_head > n_embd:
         raise GGUFError(path, f"{arch}.attention.head_count", f"{n_head} heads for an embedding of only {n_embd}")
-    n_kv_head = hp.int("attention.head_count_kv", default=n_head, minimum=1)
+    n_kv_head = hp.int("attention.head_count_kv", default=n_head, minimum=1) if mixers is None else 0
+    if mixers is not None:
+        n_kv_head = _attention_kv_heads(facts, hp, n_head, mixers)
     if n_head % n_kv_head:
         raise GGUFError(path, f"{arch}.attention.head_count_kv", f"{n_kv_head} does not divide head_count {n_head}")
     head_dim = hp.int("attention.key_length", default=n_embd // n_head, minimum=1)
@@ -64,15 +69,37 @@ def read_dims(facts: GGUFFacts, hp: Hparams) -> Dims:
         n_ff=hp.int("feed_forward_length", minimum=1),
         rope_dim=rope_dim,
         n_ctx=hp.int("context_length", minimum=1),
+        conv_kernel=hp.int("shortconv.l_cache", minimum=2) if mixers and "conv" in mixers else 0,
     )
 
 
-def bind_tensors(facts: GGUFFacts, family: Family, dims: Dims, n_layer: int) -> dict[str, TensorBinding]:
-    """Every tensor of the file bound to its table entry, checked for shape; missing or unknown ones refused."""
+def _attention_kv_heads(facts: GGUFFacts, hp: Hparams, n_head: int, mixers: list[str]) -> int:
+    """A hybrid's head_count_kv: a scalar, or a per-layer array (0 in its other layers) whose attention layers
+    agree (llama.cpp's n_head_kv(il))."""
+    key = f"{hp.arch}.attention.head_count_kv"
+    counts = hp.ints("attention.head_count_kv", len(mixers))
+    if counts is None:
+        counts = [hp.int("attention.head_count_kv", default=n_head)] * len(mixers)
+    used = sorted({n for n, mixer in zip(counts, mixers) if mixer == "attention"})
+    if not used:
+        return n_head  # no attention layer: nothing reads it
+    if len(used) > 1:
+        raise UnsupportedModelError(f"{facts.path}: {key}: attention layers with different KV head counts {used}")
+    if used[0] < 1:
+        raise GGUFError(facts.path, key, f"an attention layer needs at least one KV head, got {used[0]}")
+    return used[0]
+
+
+def bind_tensors(
+    facts: GGUFFacts, family: Family, dims: Dims, n_layer: int, mixers: list[str] | None = None
+) -> dict[str, TensorBinding]:
+    """Every tensor of the file bound to its table entry, checked for shape; missing or unknown ones refused.
+    A per-layer entry of one token mixer (a hybrid's) belongs to the layers of `mixers` that mix that way."""
     bindings: dict[str, TensorBinding] = {}
     missing: list[str] = []
     for spec in family.tensors:
-        names = [spec.name.format(il=il) for il in range(n_layer)] if spec.per_layer else [spec.name]
+        layers = [il for il in range(n_layer) if spec.mixer is None or mixers and mixers[il] == spec.mixer]
+        names = [spec.name.format(il=il) for il in layers] if spec.per_layer else [spec.name]
         present = [n for n in names if n in facts.tensors]
         if spec.required:
             missing += [n for n in names if n not in facts.tensors]
@@ -161,12 +188,13 @@ def norm_spec(kind: NormKind, bound: set[str], weight: str, prefix: str = "") ->
 
 def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     hp = Hparams(facts, family.name)
-    dims = read_dims(facts, hp)
+    mixers = family.layer_mixers(hp, hp.int("block_count", minimum=1)) if family.layer_mixers else None
+    dims = read_dims(facts, hp, mixers)
     n_layer = hp.int("block_count", minimum=1)
     norm_eps = hp.float(EPS_KEYS[family.norm], positive=True)
     if hp.int("expert_count", default=0) > 0:
         raise UnsupportedModelError(f"{facts.path}: mixture-of-experts models are not supported yet")
-    bindings = bind_tensors(facts, family, dims, n_layer)
+    bindings = bind_tensors(facts, family, dims, n_layer, mixers)
     bound = set(bindings)
     table = {spec.suffix: spec for spec in family.tensors}
 
@@ -177,11 +205,22 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     sliding = [s and window > 0 for s in sliding]
     swa_rope = family.swa_rope(hp, rope_base, rope_fields["freq_scale"]) if family.swa_rope else None
     score_scale = family.score_scale(hp, dims.head_dim)
-    layer0 = {spec.suffix for spec in family.tensors if spec.per_layer and spec.name.format(il=0) in bound}
+    # a block tensor's presence is read in the first layer that can have it (a hybrid's first of its mixer)
+    first_of = {mixer: mixers.index(mixer) for mixer in dict.fromkeys(mixers)} if mixers else {}
+
+    def first_layer(suffix: str) -> int:
+        spec = table.get(suffix)
+        return first_of.get(spec.mixer, 0) if spec is not None and spec.mixer else 0
+
+    layer0 = {
+        spec.suffix
+        for spec in family.tensors
+        if spec.per_layer and spec.name.format(il=first_layer(spec.suffix)) in bound
+    }
     wiring = family.wiring_for(hp, layer0) if family.wiring_for else family.wiring
 
     def block_norm(weight: str) -> NormSpec | None:
-        return norm_spec(family.norm, bound, weight, prefix="blk.0.")
+        return norm_spec(family.norm, bound, weight, prefix=f"blk.{first_layer(weight)}.")
 
     def present(suffix: str) -> str | None:
         return suffix if suffix in layer0 else None
@@ -206,8 +245,32 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         down_bias=present("ffn_down.bias"),
         gate_bias=present("ffn_gate.bias"),
     )
+    conv = None
+    if mixers and "conv" in mixers:
+        conv = ShortConvSpec(
+            kernel=dims.conv_kernel,
+            in_proj="shortconv.in_proj.weight",
+            conv="shortconv.conv.weight",
+            out_proj="shortconv.out_proj.weight",
+        )
     layers = []
     for il in range(n_layer):
+        if mixers and mixers[il] == "conv":
+            layers.append(
+                LayerSpec(
+                    index=il,
+                    wiring=wiring,
+                    attention=None,
+                    mlp=mlp,
+                    attn_norm=block_norm("attn_norm.weight"),
+                    ffn_norm=block_norm("ffn_norm.weight"),
+                    attn_post_norm=block_norm("post_attention_norm.weight"),
+                    ffn_post_norm=block_norm("post_ffw_norm.weight"),
+                    residual_scale=family.residual_scale(hp),
+                    conv=conv,
+                )
+            )
+            continue
         rotates = family.rope_on_layer(hp, il, sliding[il]) and family.rope is not RopeStyle.NONE
         fields = dict(rope_fields, base=rope_base)
         if sliding[il] and swa_rope is not None:
@@ -273,11 +336,12 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         ),
         layers=tuple(layers),
         output=OutputSpec(
-            norm=norm_spec(family.norm, bound, "output_norm.weight"),
+            norm=norm_spec(family.norm, bound, family.output_norm),
             weight="output.weight" if "output.weight" in bound else "token_embd.weight",
             logit_scale=family.logit_scale(hp),
             final_softcap=family.final_softcap(hp),
         ),
         # GGUF file order: the order the loader reads the memory map in
         tensors=tuple(bindings[n] for n in facts.tensors),
+        tap_names=family.tap_names,
     )

@@ -86,6 +86,18 @@ class Hparams:
             raise GGUFError(self.facts.path, full, f"expected a string, got {type(v).__name__}")
         return v
 
+    def ints(self, key: str, n: int) -> list[int] | None:
+        """A per-layer integer array (e.g. lfm2's head_count_kv), or None when absent or a scalar."""
+        full = self.key(key)
+        raw = self.facts.metadata.get(full)
+        if not isinstance(raw, np.ndarray):
+            return None
+        if raw.size != n:
+            raise GGUFError(self.facts.path, full, f"has {raw.size} entries for {n} layers")
+        if raw.dtype.kind not in "iu":
+            raise GGUFError(self.facts.path, full, f"expected integers, got {raw.dtype}")
+        return [int(x) for x in raw.tolist()]
+
     def bools(self, key: str, n: int) -> list[bool] | None:
         """A per-layer boolean array (e.g. sliding_window_pattern as an array), or None when absent/scalar."""
         full = self.key(key)
@@ -165,5 +177,12 @@ class Family:
     # (hp, tensor names present in layer 0) -> wiring; stablelm is parallel when ffn_norm is absent
     wiring_for: Callable[[Hparams, set[str]], Wiring] | None = None
     rope_scalings: tuple[str, ...] = ("none", "linear", "yarn")
+    # (hp, n_layer) -> per layer how it mixes tokens, "attention" or "conv" (default: attention everywhere);
+    # a table entry with a `mixer` exists only in the layers that mix that way
+    layer_mixers: Callable[[Hparams, int], list[str]] | None = None
+    output_norm: str = "output_norm.weight"  # the final norm's tensor (lfm2: token_embd_norm.weight)
+    # (alchemist's tap name, llama.cpp's name for that tensor) where src/models/<family>.cpp names its
+    # intermediates its own way; a name llama.cpp uses for another tensor must be mapped away from it
+    tap_names: tuple[tuple[str, str], ...] = ()
     fixture: FixtureSpec = FixtureSpec()
     notes: tuple[str, ...] = field(default=())

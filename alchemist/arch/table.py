@@ -11,7 +11,7 @@ feeds (a bias, a norm, an untied output), and its presence must be the same in e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LAYER_PREFIX = "blk.{il}."
 
@@ -22,6 +22,7 @@ class TensorSpec:
     role: str  # linear | embedding | position_embedding | norm | bias | rope_factors
     shape: tuple[str, ...]  # dimension names, numpy order
     required: bool = True
+    mixer: str | None = None  # per-layer tensor of only the layers that mix tokens this way ("attention", "conv")
 
     @property
     def per_layer(self) -> bool:
@@ -33,7 +34,7 @@ class TensorSpec:
         return self.name[len(LAYER_PREFIX) :] if self.per_layer else self.name
 
     def optional(self) -> TensorSpec:
-        return TensorSpec(self.name, self.role, self.shape, required=False)
+        return replace(self, required=False)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Dims:
     n_ff: int
     rope_dim: int
     n_ctx: int
+    conv_kernel: int = 0  # a short convolution's length (lfm2's shortconv.l_cache)
 
     def resolve(self, shape: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.size(name) for name in shape)
@@ -59,6 +61,7 @@ class Dims:
             "n_qkv": (self.n_head + 2 * self.n_kv_head) * self.head_dim,
             "n_ff2": 2 * self.n_ff,
             "rope_half": self.rope_dim // 2,
+            "n_embd3": 3 * self.n_embd,
         }
         if name in derived:
             return derived[name]
@@ -140,3 +143,19 @@ FFN_PLAIN_BIAS = (T(_blk("ffn_up.bias"), "bias", "n_ff"), T(_blk("ffn_down.bias"
 
 # The llama block: what most families start from.
 LLAMA = TOKEN_EMBD + OUTPUT_NORM + OUTPUT + ATTN_NORM + ATTN_QKV_SPLIT + ATTN_OUT + FFN_NORM + FFN_GATED
+
+
+def only_in(mixer: str, *specs: TensorSpec) -> tuple[TensorSpec, ...]:
+    """Per-layer tensors that only the layers mixing tokens by `mixer` have (a hybrid's attention or conv layers)."""
+    return tuple(replace(s, mixer=mixer) for s in specs)
+
+
+# lfm2: attention layers (head-wise q/k norms) and gated short-convolution layers; its final norm is
+# token_embd_norm.weight
+TOKEN_EMBD_NORM = (T("token_embd_norm.weight", "norm", "n_embd"),)
+SHORTCONV = only_in(
+    "conv",
+    T(_blk("shortconv.in_proj.weight"), "linear", "n_embd3", "n_embd"),
+    T(_blk("shortconv.conv.weight"), "conv", "n_embd", "conv_kernel"),
+    T(_blk("shortconv.out_proj.weight"), "linear", "n_embd", "n_embd"),
+)

@@ -61,7 +61,7 @@ def build_forward(
     module, tensors: dict, kernel: set, cache_shapes: list, quantized: bool, capacity: int = None
 ) -> Build:
     """forward's graph for N_TOKENS tokens over a cache of `capacity` rows (default CAPACITY);
-    cache_shapes: per layer (n_kv_head, head_dim)."""
+    cache_shapes: per layer its caches, (kind, shape of one position's row) (the IR's layer_caches)."""
     capacity = capacity or CAPACITY
     import pytensor
     import pytensor.tensor as pt
@@ -76,13 +76,13 @@ def build_forward(
     tokens = pt.tensor("tokens", dtype="int64", shape=(N_TOKENS,))
     start_pos = pt.scalar("start_pos", dtype="int64")
     cache = [
-        tuple(pt.tensor(f"{kv}_cache.{il}", dtype="float32", shape=(capacity, *shape)) for kv in "kv")
-        for il, shape in enumerate(cache_shapes)
+        tuple(pt.tensor(f"{kind}_cache.{il}", dtype="float32", shape=(capacity, *row)) for kind, row in layer)
+        for il, layer in enumerate(cache_shapes)
     ]
     try:
         with pytensor.config.change_flags(traceback__limit=0):  # no stack walk for every node: 3x faster
             logits, new_cache = module.forward(dict(b.weights), tokens, start_pos, cache, attend_len=capacity)
-        b.outputs = [logits] + [t for pair in new_cache for t in pair]
+        b.outputs = [logits] + [t for caches in new_cache for t in caches]
         b.outputs = [pt.as_tensor_variable(o) for o in b.outputs]
     except KeyError as e:
         b.error = f"forward reads w[{e.args[0]!r}], which is not in TENSORS" if e.args else "forward raised KeyError"
@@ -250,7 +250,7 @@ def orientation_findings(b: Build, tensors: dict, roles: dict) -> tuple[list[str
         role = roles.get(name)
         if var.dtype != "float32" or var.ndim != 2:
             continue
-        if role not in ("linear", *ROW_ROLES):
+        if role not in ("linear", "conv", *ROW_ROLES):
             f.append(f"{name} is a 2-D tensor of role {role!r}, for which the auditor has no orientation rule")
             continue
         stack, uses = [(var, (0, 1))], 0  # (variable, original axis at each position)
@@ -260,6 +260,15 @@ def orientation_findings(b: Build, tensors: dict, roles: dict) -> tuple[list[str
                 op, out = node.op, node.outputs[0]
                 if isinstance(op, DimShuffle):
                     stack.append((out, tuple(None if o == "x" else perm[o] for o in op.new_order)))
+                elif role == "conv" and isinstance(op, Elemwise) and len(node.inputs) == 2:
+                    # a depthwise filter (channels, taps) multiplies a window of activations (…, taps, channels):
+                    # its channel axis must be the activations' last
+                    uses += 1
+                    if perm[-1] != 0 or perm[-2] != 1:
+                        f.append(
+                            f"{name} (conv, stored (channels, taps) = {tensors[name][1]}) meets the activations with "
+                            f"its axes in order {perm}: its channel axis 0 must be last, its taps axis 1 before it"
+                        )
                 elif isinstance(op, Elemwise) and out.type.shape == v.type.shape:
                     stack.append((out, perm))  # scaled, cast: the same axes
                 elif role != "position_embedding" and (axis := _contracted(node, i, v.ndim)) is not None:
@@ -501,7 +510,9 @@ class HeadLayouts:
 
 def check_heads(ctx: Context, g: "GraphAudit"):
     f, splits, merges = [], 0, 0
-    heads = sorted({(lay.attention.n_head, lay.attention.n_kv_head, lay.attention.head_dim) for lay in ctx.ir.layers})
+    heads = sorted(
+        {(lay.attention.n_head, lay.attention.n_kv_head, lay.attention.head_dim) for lay in ctx.ir.attention_layers}
+    )
     for b in g.builds:
         h = HeadLayouts(b, heads).run()
         f += [x for x in h.f if x not in f]
@@ -593,13 +604,15 @@ def graph_audit(ctx: Context) -> GraphAudit:
     g.loader = probe_loader(module, tensors, kernel)
     if ctx.ir is not None:
         g.roles = {t.name: t.role for t in ctx.ir.tensors}
-        shapes = [(lay.attention.n_kv_head, lay.attention.head_dim) for lay in ctx.ir.layers]
+        shapes = ctx.ir.layer_caches()
+    elif isinstance(ctx.src.constant("LAYER_CACHES"), tuple):
+        shapes = ctx.src.constant("LAYER_CACHES")
     else:
         n_kv, head_dim, n_layer = (ctx.src.constant(n) for n in ("N_KV_HEAD", "HEAD_DIM", "N_LAYER"))
         if not all(isinstance(v, int) for v in (n_kv, head_dim, n_layer)):
             g.error = "not checked: needs the IR (give the GGUF) for the KV-cache shapes"
             return g
-        shapes = [(n_kv, head_dim)] * n_layer
+        shapes = [(("k", (n_kv, head_dim)), ("v", (n_kv, head_dim)))] * n_layer
     for quantized in (False, True) if kernel else (False,):
         g.builds.append(build_forward(module, tensors, kernel, shapes, quantized))
     context = ctx.ir.n_ctx_train if ctx.ir is not None else None

@@ -69,6 +69,8 @@ def _environment() -> jinja2.Environment:
 def _structure(layer: LayerSpec) -> LayerSpec:
     """A layer with its per-layer numbers blanked: what must be the same in every layer to share one block()."""
     att = layer.attention
+    if att is None:  # a hybrid's convolution layer
+        return dataclasses.replace(layer, index=0)
     rope = dataclasses.replace(att.rope, base=0.0, freq_scale=0.0, style=RopeStyle.NONE)
     return dataclasses.replace(
         layer, index=0, attention=dataclasses.replace(att, sliding_window=0, rope=rope)
@@ -76,7 +78,7 @@ def _structure(layer: LayerSpec) -> LayerSpec:
 
 
 def _rope_style(ir: ModelIR) -> RopeStyle:
-    styles = {lay.attention.rope.style for lay in ir.layers} - {RopeStyle.NONE}
+    styles = {lay.attention.rope.style for lay in ir.attention_layers} - {RopeStyle.NONE}
     if len(styles) > 1:
         raise UnsupportedModelError(f"{ir.source_file}: layers rotate in different RoPE styles {sorted(styles)}")
     return styles.pop() if styles else RopeStyle.NONE
@@ -87,14 +89,25 @@ def check_renderable(ir: ModelIR) -> None:
     if not IDENTIFIER.match(ir.architecture):
         raise UnsupportedModelError(f"architecture name {ir.architecture!r} is not a valid identifier")
     first = ir.layers[0]
+    mixers = {}  # the first layer of each token mixer: a hybrid's layers agree with the first of their kind
     for lay in ir.layers:
-        if _structure(lay) != _structure(first):
+        ref = mixers.setdefault(lay.attention is None, lay)
+        if _structure(lay) != _structure(ref) or _mixerless(lay) != _mixerless(first):
             raise UnsupportedModelError(
-                f"{ir.source_file}: layer {lay.index} differs from layer 0 in more than its window and RoPE "
+                f"{ir.source_file}: layer {lay.index} differs from layer {ref.index} in more than its window and RoPE "
                 "numbers; per-layer structure is not supported"
             )
-    att, mlp = first.attention, first.mlp
+    if not ir.attention_layers:
+        raise UnsupportedModelError(f"{ir.source_file}: the templates need at least one attention layer")
+    att, mlp = ir.attention_layers[0].attention, first.mlp
     problems = []
+    conv = _conv(ir)
+    if any((lay.attention is None) != (lay.conv is not None) for lay in ir.layers):
+        problems.append("a layer needs exactly one token mixer (attention or a convolution)")
+    if conv is not None and conv.kernel < 2:
+        problems.append(f"a convolution of length {conv.kernel} (at least 2)")
+    if conv is not None and first.wiring is not Wiring.SEQUENTIAL:
+        problems.append("convolution layers in a parallel block")
     if att.head_dim_v != att.head_dim:
         problems.append(f"value heads of {att.head_dim_v} != key heads of {att.head_dim}")
     if att.rope.scaling not in RENDERABLE_ROPE_SCALING:
@@ -124,10 +137,20 @@ def check_renderable(ir: ModelIR) -> None:
 RENDERABLE_ROPE_SCALING = tuple(RopeScaling)
 
 
+def _mixerless(layer: LayerSpec) -> LayerSpec:
+    """What every layer of a hybrid shares: all but its token mixer."""
+    return dataclasses.replace(layer, index=0, attention=None, conv=None)
+
+
+def _conv(ir: ModelIR):
+    """The short convolution of a hybrid's convolution layers (the same in each), or None."""
+    return next((lay.conv for lay in ir.layers if lay.conv is not None), None)
+
+
 def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
     """(name, value, comment) for every configuration constant of the generated module, in file order."""
     first = ir.layers[0]
-    att, mlp = first.attention, first.mlp
+    att, mlp = ir.attention_layers[0].attention, first.mlp
     style = _rope_style(ir)
     rows = [
         ("ARCHITECTURE", ir.architecture, ""),
@@ -154,12 +177,12 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
     if ir.output.final_softcap:
         rows.append(("FINAL_LOGIT_SOFTCAP", ir.output.final_softcap, "logits = cap · tanh(logits / cap)"))
     rows.append(
-        ("SLIDING_WINDOW", tuple(lay.attention.sliding_window for lay in ir.layers), "per layer; 0: all positions")
+        ("SLIDING_WINDOW", tuple(_per_attention(ir, lambda a: a.sliding_window, 0)), "per layer; 0: all positions")
     )
     if style is not RopeStyle.NONE:
         rows.append(("ROPE_DIM", att.rope.dim, f"leading dims of each head that RoPE rotates ({style.value} style)"))
-        rows.append(("ROPE_BASE", tuple(lay.attention.rope.base for lay in ir.layers), "per layer"))
-        rows.append(("ROPE_FREQ_SCALE", tuple(lay.attention.rope.freq_scale for lay in ir.layers), "per layer"))
+        rows.append(("ROPE_BASE", tuple(_per_attention(ir, lambda a: a.rope.base, 0.0)), "per layer"))
+        rows.append(("ROPE_FREQ_SCALE", tuple(_per_attention(ir, lambda a: a.rope.freq_scale, 0.0)), "per layer"))
         rope = att.rope
         if rope.attn_factor != 1.0:
             rows.append(("ROPE_ATTN_FACTOR", rope.attn_factor, "multiplies cos and sin (the magnitude correction)"))
@@ -169,10 +192,24 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
             rows.append(("YARN_BETA_SLOW", rope.beta_slow, ""))
         if rope.scaling in (RopeScaling.YARN, RopeScaling.LONGROPE):
             rows.append(("ROPE_ORIG_CTX", rope.n_ctx_orig, "the context the model was originally trained for"))
-        rotates = tuple(lay.attention.rope.style is not RopeStyle.NONE for lay in ir.layers)
-        if not all(rotates):
+        rotates = tuple(_per_attention(ir, lambda a: a.rope.style is not RopeStyle.NONE, False))
+        if not all(lay.attention.rope.style is not RopeStyle.NONE for lay in ir.attention_layers):
             rows.append(("ROPE_LAYERS", rotates, "per layer: whether it applies RoPE"))
+    conv = _conv(ir)
+    if conv is not None:
+        rows.append(
+            ("CONV_LAYERS", tuple(lay.conv is not None for lay in ir.layers), "per layer: a short convolution mixes")
+        )
+        rows.append(("CONV_KERNEL", conv.kernel, "positions a convolution output reads, the current one last"))
+        rows.append(("LAYER_CACHES", ir.layer_caches(), "per layer: its caches, (kind, shape of a position's row)"))
+    if ir.tap_names:
+        rows.append(("TAP_NAMES", ir.tap_names, "(tap, llama.cpp's name for that tensor in this family's graph)"))
     return rows
+
+
+def _per_attention(ir: ModelIR, value, other) -> list:
+    """A per-layer number of the attention layers; `other` for the layers that mix tokens otherwise."""
+    return [other if lay.attention is None else value(lay.attention) for lay in ir.layers]
 
 
 def module_constants(ir: ModelIR) -> dict:
@@ -186,13 +223,17 @@ def module_constants(ir: ModelIR) -> dict:
 def template_context(ir: ModelIR) -> dict:
     check_renderable(ir)
     first = ir.layers[0]
-    att = first.attention
+    att = ir.attention_layers[0].attention
     style = _rope_style(ir)
     norms = [first.attn_norm, first.ffn_norm, first.attn_post_norm, first.ffn_post_norm, att.q_norm, ir.output.norm]
     summary = (
         f"{ir.n_layer} layers, d_model {ir.n_embd}, {att.n_head} query heads / {att.n_kv_head} KV heads of size "
         f"{att.head_dim}, vocabulary {ir.n_vocab}."
     )
+    conv = _conv(ir)
+    if conv is not None:
+        n_conv = sum(lay.conv is not None for lay in ir.layers)
+        summary += f"\n{n_conv} of the layers mix tokens with a short convolution of length {conv.kernel}."
     return dict(
         arch=ir.architecture,
         summary=summary,
@@ -209,7 +250,10 @@ def template_context(ir: ModelIR) -> dict:
         act_fn=ACTIVATION_FUNCTIONS[first.mlp.activation],
         rope=style is not RopeStyle.NONE,
         rope_style=style.value,
-        rope_layers=any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.layers) and style is not RopeStyle.NONE,
+        rope_layers=any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.attention_layers)
+        and style is not RopeStyle.NONE,
+        conv=conv,
+        tap_names=bool(ir.tap_names),
         rope_factors=att.rope.freq_factors,
         rope_scaling=att.rope.scaling.value,
         rope_factors_short=att.rope.freq_factors_short,

@@ -24,9 +24,12 @@ TABLE_END = "<!-- architectures:end -->"
 def quirks(ir: ModelIR) -> list[str]:
     """What a model computes differently from llama, component by component (from its IR)."""
     lay = ir.layers[0]
-    att, mlp = lay.attention, lay.mlp
-    styles = {x.attention.rope.style for x in ir.layers}
+    att, mlp = ir.attention_layers[0].attention, lay.mlp
+    styles = {x.attention.rope.style for x in ir.attention_layers}
     out = []
+    n_conv = sum(x.conv is not None for x in ir.layers)
+    if n_conv:
+        out.append(f"short-conv layers ({n_conv} of {ir.n_layer})")
     if ir.embedding.scale != 1.0:
         out.append("scaled embeddings")
     if ir.embedding.positions:
@@ -61,7 +64,7 @@ def quirks(ir: ModelIR) -> list[str]:
             out.append("partial rotary")
         if att.rope.scaling is not RopeScaling.NONE:
             out.append(f"{att.rope.scaling.value} RoPE scaling")
-    if any(x.attention.sliding_window for x in ir.layers):
+    if any(x.attention.sliding_window for x in ir.attention_layers):
         out.append("sliding window")
     if mlp.kind is not MLPKind.GATED or mlp.activation.value != "silu":
         out.append(f"{mlp.kind.value.replace('_', ' ')} {mlp.activation.value} MLP")

@@ -55,6 +55,26 @@ def import_generated(path: str | Path, name_suffix: str = "") -> ModuleType:
     return module
 
 
+def layer_caches(module: ModuleType) -> tuple:
+    """Per layer, the caches the module's forward() reads and returns, each (kind, shape of one position's row):
+    its LAYER_CACHES (a hybrid's: "k", "v" for attention, "conv" for a short convolution), else K and V of
+    (N_KV_HEAD, HEAD_DIM) in every layer."""
+    caches = getattr(module, "LAYER_CACHES", None)
+    if caches is None:
+        row = (module.N_KV_HEAD, module.HEAD_DIM)
+        return ((("k", row), ("v", row)),) * module.N_LAYER
+    return tuple(tuple((str(kind), tuple(int(n) for n in row)) for kind, row in layer) for layer in caches)
+
+
+def regroup(flat: list, like: list) -> list:
+    """`flat` cut into tuples as long as the tuples of `like` (per-layer caches flattened and rebuilt)."""
+    out, i = [], 0
+    for group in like:
+        out.append(tuple(flat[i : i + len(group)]))
+        i += len(group)
+    return out
+
+
 def is_as_imported(module: ModuleType) -> bool:
     """True when `module` came from import_generated and none of its names has been rebound since."""
     snapshot = getattr(module, _AS_IMPORTED, None)
@@ -103,13 +123,13 @@ class Engine:
         self.weights = {
             name: pytensor.shared(arr, name=name, borrow=True, shape=arr.shape) for name, arr in weights.items()
         }
-        shape = (self.capacity, module.N_KV_HEAD, module.HEAD_DIM)
+        # per layer its caches (K and V; a convolution layer's B·X rows), a row per position
         self.cache = [
-            (
-                pytensor.shared(np.zeros(shape, np.float32), name=f"k_cache.{il}", shape=shape),
-                pytensor.shared(np.zeros(shape, np.float32), name=f"v_cache.{il}", shape=shape),
+            tuple(
+                pytensor.shared(np.zeros(s, np.float32), name=f"{kind}_cache.{il}", shape=s)
+                for kind, s in ((kind, (self.capacity, *row)) for kind, row in layer)
             )
-            for il in range(module.N_LAYER)
+            for il, layer in enumerate(layer_caches(module))
         ]
         self.stats = StepStats()
         self._functions: dict[tuple[int, bool], object] = {}
@@ -135,7 +155,7 @@ class Engine:
             import mlx.core as mx
 
             to_device = mx.array
-        shared = list(self.weights.values()) + [sv for pair in self.cache for sv in pair]
+        shared = list(self.weights.values()) + [sv for caches in self.cache for sv in caches]
         for sv in shared:
             sv.container.storage[0] = to_device(sv.container.storage[0])
 
@@ -175,8 +195,8 @@ class Engine:
         if not self.static:
             logits, new_cache = self._cache_writes_as_slices(logits, new_cache, start_pos, n_tokens)
         updates = []
-        for (k, v), (k_new, v_new) in zip(self.cache, new_cache):
-            updates += [(k, k_new), (v, v_new)]
+        for caches, new in zip(self.cache, new_cache):
+            updates += list(zip(caches, new))
         return [tokens, start_pos, n_valid], logits, updates
 
     @staticmethod
@@ -194,7 +214,7 @@ class Engine:
         from pytensor.tensor.subtensor import AdvancedIncSubtensor
 
         positions = start_pos + pt.arange(n_tokens, dtype="int64")  # as forward() computes them
-        flat = [logits] + [value for pair in new_cache for value in pair]
+        flat = [logits] + [value for caches in new_cache for value in caches]
         # a graph over the step's own variables (not cloned: the weights and the cache stay the shared
         # variables they are); in topological order, so each write's rows already read the lowered writes
         # of the layers before
@@ -210,7 +230,7 @@ class Engine:
                 lowered = pt.set_subtensor(cache[start_pos : start_pos + n_tokens], rows)
                 fgraph.replace(node.outputs[0], lowered, reason="cache_write_as_slice", import_missing=True)
         logits, *flat = fgraph.outputs
-        return logits, [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+        return logits, regroup(flat, new_cache)
 
     def step_function(self, n_tokens: int, all_logits: bool = False):
         key = (n_tokens, all_logits)
@@ -236,8 +256,8 @@ class Engine:
 
     def _shared_by_name(self) -> dict:
         shared = dict(self.weights)
-        for k, v in self.cache:
-            shared[k.name], shared[v.name] = k, v
+        for caches in self.cache:
+            shared.update((sv.name, sv) for sv in caches)
         return shared
 
     def _graph_cache_key(self, n_tokens: int, all_logits: bool, shared: dict | None = None) -> str | None:
@@ -307,10 +327,9 @@ class Engine:
         """Forget the sequence. Not needed for correctness (every position is written before it is read),
         but it keeps stale values out of debugging views of the cache."""
         with self.lock:
-            shape = (self.capacity, self.module.N_KV_HEAD, self.module.HEAD_DIM)
-            for k, v in self.cache:
-                k.set_value(np.zeros(shape, np.float32), borrow=True)
-                v.set_value(np.zeros(shape, np.float32), borrow=True)
+            for caches in self.cache:
+                for sv in caches:
+                    sv.set_value(np.zeros(sv.type.shape, np.float32), borrow=True)
             if self.backend in ("jax", "mlx"):
                 self._place_on_device()
 

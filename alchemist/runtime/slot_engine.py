@@ -28,7 +28,7 @@ import numpy as np
 
 from alchemist.errors import AlchemistError
 from alchemist.runtime import graph_cache
-from alchemist.runtime.engine import _SOURCE_SHA256, Engine, is_as_imported, load_or_compile
+from alchemist.runtime.engine import _SOURCE_SHA256, Engine, is_as_imported, layer_caches, load_or_compile, regroup
 
 import pytensor  # noqa: E402  (configured by alchemist.runtime.engine)
 import pytensor.tensor as pt  # noqa: E402
@@ -111,14 +111,14 @@ class SlotEngine:
             min(window + chunk, self.context_rows) if window and not full_window else self.context_rows
             for window in module.SLIDING_WINDOW
         )
-        shapes = [(n_slots + 1, r, module.N_KV_HEAD, module.HEAD_DIM) for r in self.rows]
-        # not named k_cache.*: the graph cache binds shared variables by name
+        # per layer its caches (K and V; a convolution layer's B·X rows, a row per position like a global
+        # layer's); not named k_cache.*: the graph cache binds shared variables by name
         self.cache = [
-            (
-                pytensor.shared(np.zeros(s, np.float32), name=f"k_slots.{il}", shape=s),
-                pytensor.shared(np.zeros(s, np.float32), name=f"v_slots.{il}", shape=s),
+            tuple(
+                pytensor.shared(np.zeros(s, np.float32), name=f"{kind}_slots.{il}", shape=s)
+                for kind, s in ((kind, (n_slots + 1, rows, *row)) for kind, row in layer)
             )
-            for il, s in enumerate(shapes)
+            for il, (layer, rows) in enumerate(zip(layer_caches(module), self.rows))
         ]
         self.prefill_sizes = tuple(sorted({chunk} | ({SMALL_PREFILL} if chunk > SMALL_PREFILL else set())))
         self._functions: dict[tuple[int, int], object] = {}
@@ -126,8 +126,8 @@ class SlotEngine:
     # -- memory ------------------------------------------------------------------------------------
     @property
     def bytes_per_slot(self) -> int:
-        """KV bytes one slot holds (all layers, K and V)."""
-        return sum(2 * r * self.module.N_KV_HEAD * self.module.HEAD_DIM * 4 for r in self.rows)
+        """Cache bytes one slot holds (all layers: K and V, or a convolution layer's rows)."""
+        return sum(int(np.prod(sv.type.shape[1:])) * 4 for caches in self.cache for sv in caches)
 
     # -- compilation -------------------------------------------------------------------------------
     def _build(self, n_seq: int, n_tokens: int):
@@ -144,13 +144,13 @@ class SlotEngine:
         if self.engine.backend == "c":
             logits, new_cache = self._cache_writes_flat(logits, new_cache)
         updates = []
-        for (k, v), (k_new, v_new) in zip(self.cache, new_cache):
-            updates += [(k, k_new), (v, v_new)]
+        for caches, new in zip(self.cache, new_cache):
+            updates += list(zip(caches, new))
         return [tokens, positions, slots, attend_len, n_valid], logits, updates
 
     def _cache_writes_flat(self, logits, new_cache):
         """Lower each slot-cache write `set_subtensor(cache[slots[:, None], rows], kv)` to a write into the
-        flattened cache: element (slot * ROWS + row) * E + e, with E = N_KV_HEAD * HEAD_DIM.
+        flattened cache: element (slot * ROWS + row) * E + e, with E the size of a row (N_KV_HEAD * HEAD_DIM).
 
         The two-index write of a 4-d array has no C code (it runs in Python and makes PyTensor open its whole
         compiledir index); a 2-d-indexed write into a 1-d array is C, and in place. The flat index is only
@@ -160,8 +160,8 @@ class SlotEngine:
         from pytensor.graph.fg import FunctionGraph
         from pytensor.tensor.subtensor import AdvancedIncSubtensor
 
-        caches = {sv for pair in self.cache for sv in pair}
-        flat = [logits] + [value for pair in new_cache for value in pair]
+        caches = {sv for layer in self.cache for sv in layer}
+        flat = [logits] + [value for layer in new_cache for value in layer]
         fgraph = FunctionGraph(outputs=flat, clone=False)
         for node in fgraph.toposort():
             if not (
@@ -172,15 +172,15 @@ class SlotEngine:
             ):
                 continue
             cache, value, slot_index, row_index = node.inputs
-            n_slot, n_row, n_kv, head_dim = cache.type.shape
-            width = n_kv * head_dim
+            n_slot, n_row, *row = cache.type.shape
+            width = int(np.prod(row))
             start = ((slot_index * n_row + row_index) * width).reshape((-1,))  # (B*T,) first element of each row
             index = start[:, None] + pt.arange(width, dtype="int64")[None, :]
             lowered = pt.set_subtensor(cache.reshape((-1,))[index], value.reshape((-1, width)))
             lowered = lowered.reshape(cache.type.shape)
             fgraph.replace(node.outputs[0], lowered, reason="slot_cache_write_flat", import_missing=True)
         logits, *flat = fgraph.outputs
-        return logits, [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+        return logits, regroup(flat, new_cache)
 
     def step_function(self, n_seq: int, n_tokens: int):
         """The compiled step for n_seq sequences of n_tokens tokens (compiled, or linked from the graph cache,
@@ -205,8 +205,8 @@ class SlotEngine:
 
     def _shared_by_name(self) -> dict:
         shared = dict(self.engine.weights)
-        for k, v in self.cache:
-            shared[k.name], shared[v.name] = k, v
+        for caches in self.cache:
+            shared.update((sv.name, sv) for sv in caches)
         return shared
 
     def _graph_cache_key(self, n_seq: int, n_tokens: int, shared: dict) -> str | None:
@@ -356,7 +356,7 @@ class SlotEngine:
         if src == dst or n == 0:
             return
         with self.lock:
-            for (k, v), rows in zip(self.cache, self.rows):
-                for sv in (k, v):
+            for caches, rows in zip(self.cache, self.rows):
+                for sv in caches:
                     data = sv.get_value(borrow=True)  # the buffer the steps update in place
                     data[dst, : min(n, rows)] = data[src, : min(n, rows)]

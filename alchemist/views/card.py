@@ -188,6 +188,10 @@ def _over_layers(values: list[str], local: list[bool]) -> str:
 
 def card_facts(ir: ModelIR) -> list[Fact]:
     """Every fact of the card, in drawing order (model, embedding, block components, final norm, output)."""
+    if len(ir.attention_layers) != ir.n_layer:
+        raise AlchemistError(
+            f"{ir.source_file}: the card draws attention blocks only, not a hybrid's convolution layers"
+        )
     emb, out = ir.embedding, ir.output
     if emb.scale == 1.0:
         scale = "none"

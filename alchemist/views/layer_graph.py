@@ -85,6 +85,8 @@ def build_layer_graph(model: str, layer: int, backend: str = "c", n_tokens: int 
     ir = build_model_ir(read_gguf(path))
     if not 0 <= layer < ir.n_layer:
         raise AlchemistError(f"--layer {layer}: {Path(path).name} has {ir.n_layer} layers (0 to {ir.n_layer - 1})")
+    if ir.layers[layer].attention is None:
+        raise AlchemistError(f"--layer {layer}: a short-convolution layer; the layer graph draws attention layers")
 
     configure_pytensor()
     import pytensor

@@ -1,0 +1,67 @@
+"""LFM2 (Liquid): llama.cpp src/models/lfm2.cpp.
+
+A hybrid: each layer mixes tokens either with attention (RMSNorm over each q/k head before NEOX RoPE) or with
+a gated short causal convolution (B, C, X = in_proj(x); out_proj(C · conv(B · X)) over the last
+shortconv.l_cache positions); the per-layer attention.head_count_kv array says which (0: convolution). Every
+layer has the same pre-norm SiLU gated MLP. The final norm is token_embd_norm.weight; the output is tied unless
+output.weight exists.
+"""
+
+from alchemist.arch.family import Family, FixtureSpec
+from alchemist.arch.table import (
+    ATTN_NORM,
+    ATTN_OUT,
+    ATTN_QKV_SPLIT,
+    FFN_GATED,
+    FFN_NORM,
+    OUTPUT,
+    QK_NORM_HEAD,
+    SHORTCONV,
+    TOKEN_EMBD,
+    TOKEN_EMBD_NORM,
+    only_in,
+)
+from alchemist.ir import Activation, RopeStyle
+
+
+def _mixers(hp, n_layer: int) -> list[str]:
+    """llama.cpp's is_recr(il) = n_head_kv(il) == 0: a convolution layer; a scalar applies to every layer."""
+    counts = hp.ints("attention.head_count_kv", n_layer)
+    if counts is None:
+        counts = [hp.int("attention.head_count_kv", default=hp.int("attention.head_count"))] * n_layer
+    return ["conv" if n == 0 else "attention" for n in counts]
+
+
+FAMILY = Family(
+    name="lfm2",
+    tensors=TOKEN_EMBD
+    + TOKEN_EMBD_NORM
+    + OUTPUT
+    + ATTN_NORM
+    + only_in("attention", *ATTN_QKV_SPLIT, *QK_NORM_HEAD, *ATTN_OUT)
+    + SHORTCONV
+    + FFN_NORM
+    + FFN_GATED,
+    rope=RopeStyle.NEOX,
+    activation=Activation.SILU,
+    layer_mixers=_mixers,
+    output_norm="token_embd_norm.weight",
+    # lfm2.cpp's names; its Qcur/Kcur are the projections (before the norm and RoPE), and it names the FFN's
+    # input norm "ffn_out"
+    tap_names=(
+        ("attn_norm", "model.layers.{}.operator_norm"),
+        ("Qcur_normed", "model.layers.{}.self_attn.q_layernorm"),
+        ("Kcur_normed", "model.layers.{}.self_attn.k_layernorm"),
+        ("Qcur", "Qcur_rope"),
+        ("Kcur", "Kcur_rope"),
+        ("conv_in", "model.layers.{}.conv.in_proj"),
+        ("conv", "model.layers.{}.conv.conv"),
+        ("conv_out", "model.layers.{}.conv.out_proj"),
+        ("ffn_norm", "model.layers.{}.ffn_out"),
+    ),
+    # layers 0 and 3 convolve, 1 and 2 attend: both kinds within the first two layers
+    fixture=FixtureSpec(
+        n_layer=4,
+        metadata=(("attention.head_count_kv", (0, 2, 2, 0)), ("shortconv.l_cache", 3)),
+    ),
+)
