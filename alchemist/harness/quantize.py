@@ -53,7 +53,7 @@ FTYPES = (
     "MXFP4_MOE",
 )  # fmt: skip
 # the types the fixtures are exercised with
-FIXTURE_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+FIXTURE_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "MXFP4")
 
 
 @dataclass(frozen=True)
