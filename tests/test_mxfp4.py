@@ -120,7 +120,9 @@ def test_expert_stack_through_a_gguf_and_the_kernels(tmp_path):
     np.testing.assert_array_equal(stack, blocks)
     ref = gguf_dequantize(stack, MX)
     assert ref.shape == (n_expert, n_out, n_in)
-    np.testing.assert_array_equal(dequantize_rows(np, stack.reshape(-1, stack.shape[-1]), "MXFP4", 24, n_in), ref.reshape(24, n_in))
+    np.testing.assert_array_equal(
+        dequantize_rows(np, stack.reshape(-1, stack.shape[-1]), "MXFP4", 24, n_in), ref.reshape(24, n_in)
+    )
 
     x = rng.standard_normal((5, n_in)).astype(np.float32)
     xs = pt.matrix("x", dtype="float32")

@@ -157,7 +157,9 @@ class _Ggml:
 
     def dequantize_row(self, ggml_type: str):
         """ggml's dequantize_row_<type>(blocks, float *out, n_values): llama.cpp's own dequantizer."""
-        return self._bind(f"dequantize_row_{ggml_type.lower()}", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None)
+        return self._bind(
+            f"dequantize_row_{ggml_type.lower()}", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+        )
 
     def _bind(self, name, argtypes, restype):
         fn = getattr(self.lib, name)

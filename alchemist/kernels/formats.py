@@ -1,7 +1,7 @@
 """GGUF block formats: sizes, and a dequantizer written once for both numpy and PyTensor.
 
 A GGUF weight row of n_in values is n_in / QK consecutive blocks of BS bytes; each block holds QK weights
-as small integers plus fp16 scale(s). Layouts follow gguf-py's `gguf/quants.py` (numpy reference) and
+as small integers plus fp16 scale(s) (MXFP4: 4-bit E2M1 codes and one E8M0 exponent byte). Layouts follow gguf-py's `gguf/quants.py` (numpy reference) and
 llama.cpp's `ggml-quants.c`.
 
 `dequantize_blocks(xp, blocks, ggml_type)` maps uint8 blocks (..., n_blocks, BS) to float32 values
@@ -40,8 +40,8 @@ F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32
 # subnormals 2^-128 and 2^-127). Both exact: a weight is KVALUES_MXFP4[q] * E8M0_HALF_TABLE[e].
 KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 _E8M0 = np.arange(256, dtype=np.uint32)
-E8M0_HALF_TABLE = np.where(_E8M0 < 2, np.uint32(0x00200000) << _E8M0, (_E8M0 - 1) << 23).astype(np.uint32).view(
-    np.float32
+E8M0_HALF_TABLE = (
+    np.where(_E8M0 < 2, np.uint32(0x00200000) << _E8M0, (_E8M0 - 1) << 23).astype(np.uint32).view(np.float32)
 )
 
 
