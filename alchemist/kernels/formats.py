@@ -1,8 +1,8 @@
 """GGUF block formats: sizes, and a dequantizer written once for both numpy and PyTensor.
 
 A GGUF weight row of n_in values is n_in / QK consecutive blocks of BS bytes; each block holds QK weights
-as small integers plus fp16 scale(s) (MXFP4: 4-bit E2M1 codes and one E8M0 exponent byte). Layouts follow gguf-py's `gguf/quants.py` (numpy reference) and
-llama.cpp's `ggml-quants.c`.
+as small integers plus fp16 scale(s) (MXFP4: 4-bit E2M1 codes and one E8M0 exponent byte). Layouts follow
+gguf-py's `gguf/quants.py` (numpy reference) and llama.cpp's `ggml-quants.c`.
 
 `dequantize_blocks(xp, blocks, ggml_type)` maps uint8 blocks (..., n_blocks, BS) to float32 values
 (..., n_blocks * QK) using only reshapes, slices, integer `//` and `%`, products, sums, concatenation
