@@ -6,7 +6,8 @@ Every supported block is a set of sub-blocks (16 or 32 weights) with weight = dl
 integer, dl and mb float32 (mb = 0 for the symmetric types; mb = m for Q4_1/Q5_1, -dmin * min for the
 K-quants; for MXFP4 q is the doubled E2M1 value and dl = 2^(e - 128)); dl and mb are computed exactly as
 gguf-py computes them. A format is one struct (QK, BS, SUB, NSUB, HAS_MIN, unpack); `unpack` followed by
-`dot_block` / `dequantize_row` is the per-block decode any other kernel (gathered experts) can reuse. A row's dot with x is
+`dot_block` / `dequantize_row` is the per-block decode any other kernel (gathered experts) can reuse.
+A row's dot with x is
 
     sum over sub-blocks of  dl * (sum_j q_j x_j)  +  mb * (sum_j x_j)
 
