@@ -21,11 +21,15 @@ from alchemist.arch.table import (
     TOKEN_EMBD_NORM,
     only_in,
 )
+from alchemist.errors import UnsupportedModelError
 from alchemist.ir import Activation, RopeStyle
 
 
 def _mixers(hp, n_layer: int) -> list[str]:
     """llama.cpp's is_recr(il) = n_head_kv(il) == 0: a convolution layer; a scalar applies to every layer."""
+    if not hp.bool("attention.causal", default=True):
+        # the embedding variant pads the convolution on both sides and attends both ways
+        raise UnsupportedModelError(f"{hp.facts.path}: {hp.key('attention.causal')} = false is not supported")
     counts = hp.ints("attention.head_count_kv", n_layer)
     if counts is None:
         counts = [hp.int("attention.head_count_kv", default=hp.int("attention.head_count"))] * n_layer
@@ -45,6 +49,8 @@ FAMILY = Family(
     rope=RopeStyle.NEOX,
     activation=Activation.SILU,
     layer_mixers=_mixers,
+    # attention.sliding_window > 0 makes every attention layer slide (lfm2.cpp: is_swa = !is_recr)
+    sliding_layers=lambda hp, n_layer: [True] * n_layer,
     output_norm="token_embd_norm.weight",
     # lfm2.cpp's names; its Qcur/Kcur are the projections (before the norm and RoPE), and it names the FFN's
     # input norm "ffn_out"
@@ -63,5 +69,18 @@ FAMILY = Family(
     fixture=FixtureSpec(
         n_layer=4,
         metadata=(("attention.head_count_kv", (0, 2, 2, 0)), ("shortconv.l_cache", 3)),
+        variants=(
+            (
+                "swa",
+                FixtureSpec(
+                    n_layer=4,
+                    metadata=(
+                        ("attention.head_count_kv", (0, 2, 2, 0)),
+                        ("shortconv.l_cache", 3),
+                        ("attention.sliding_window", 5),
+                    ),
+                ),
+            ),
+        ),
     ),
 )
