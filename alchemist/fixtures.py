@@ -119,6 +119,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     cfg = config or FixtureConfig(arch=arch)
     n_layer = cfg.n_layer or spec.n_layer
     rng = np.random.default_rng(cfg.seed)
+    metadata = dict(spec.metadata + cfg.metadata)
+    n_expert, n_ff_exp = _expert_dims(family, metadata, cfg)
     dims = Dims(
         n_vocab=cfg.n_vocab,
         n_embd=cfg.n_embd,
@@ -128,6 +130,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         n_ff=cfg.n_ff,
         rope_dim=cfg.rope_dim or spec.rope_dim or cfg.head_dim,
         n_ctx=cfg.n_ctx,
+        n_expert=n_expert,
+        n_ff_exp=n_ff_exp,
     )
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
@@ -145,7 +149,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     w.add_rope_freq_base(cfg.rope_base)
     w.add_rope_dimension_count(dims.rope_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if weight_type == "F32" else gguf.LlamaFileType.MOSTLY_F16)
-    for key, value in dict(spec.metadata + cfg.metadata).items():
+    for key, value in metadata.items():
         _metadata_value(w, f"{arch}.{key}", value)
     _write_vocab(w, spec.vocab, cfg.n_vocab)
 
@@ -161,7 +165,11 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
             # it, so predictions are decisive) and perturb it, so the untied path is still its own tensor.
             d = cfg.n_embd
             return (embd / np.sqrt(d) * 4.0 + 0.5 * rng.standard_normal(shape) / np.sqrt(d)).astype(wdtype)
-        if role == "linear":
+        if name.endswith("ffn_gate_inp.weight"):
+            # a decisive router (logits of spread ~4): llama.cpp's activation rounding on quantized files must
+            # not flip which experts a token picks, and where two are close, neither weighs much
+            return (4.0 * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        if role in ("linear", "experts"):
             return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(wdtype)
         if role == "position_embedding":
             return (0.1 * rng.standard_normal(shape)).astype(wdtype)
@@ -173,7 +181,9 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
             return rng.uniform(1.0, 4.0, shape).astype(np.float32)
         raise ValueError(f"{arch} fixture: no values for role {role!r} ({name})")
 
-    wanted = [t for t in family.tensors if t.required or t.name in spec.optional]
+    alternatives = list(dict.fromkeys(t.alternative for t in family.tensors if t.alternative))
+    chosen = spec.alternative or (alternatives[0] if alternatives else "")
+    wanted = [t for t in family.tensors if t.alternative in ("", chosen) and (t.required or t.name in spec.optional)]
     for t in (t for t in wanted if not t.per_layer):
         w.add_tensor(t.name, values(t.name, t.role, dims.resolve(t.shape)))
     for il in range(n_layer):
@@ -186,6 +196,20 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _expert_dims(family, metadata: dict, cfg: FixtureConfig) -> tuple[int, int]:
+    """(n_expert, n_ff_exp) as the family reads them from this metadata (0, 0 for a dense fixture)."""
+    from types import SimpleNamespace
+
+    from alchemist.arch.family import Hparams
+
+    n_expert = int(metadata.get("expert_count", 0))
+    if not n_expert:
+        return 0, 0
+    meta = {f"{family.name}.{k}": v for k, v in metadata.items()} | {f"{family.name}.feed_forward_length": cfg.n_ff}
+    hp = Hparams(SimpleNamespace(path="<fixture>", metadata=meta, tensors={}), family.name)
+    return n_expert, family.moe.expert_width(hp, int(metadata["expert_used_count"]))
 
 
 def _write_vocab(w: gguf.GGUFWriter, kind: str, n_vocab: int) -> None:

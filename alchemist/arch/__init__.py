@@ -19,6 +19,7 @@ from alchemist.arch import (
     phi3,
     qwen2,
     qwen3,
+    qwen3moe,
     smollm3,
     stablelm,
     starcoder2,
@@ -48,6 +49,7 @@ FAMILY_MODULES = (
     exaone4,
     command_r,
     cohere2,
+    qwen3moe,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

@@ -22,6 +22,9 @@ class TensorSpec:
     role: str  # linear | embedding | position_embedding | norm | bias | rope_factors
     shape: tuple[str, ...]  # dimension names, numpy order
     required: bool = True
+    # one of a family's alternatives for a component ("dense" or "moe" FFN): required only in files that have
+    # that alternative (the file's layer 0 holds one of its tensors); "" for a tensor of every file
+    alternative: str = ""
 
     @property
     def per_layer(self) -> bool:
@@ -33,7 +36,7 @@ class TensorSpec:
         return self.name[len(LAYER_PREFIX) :] if self.per_layer else self.name
 
     def optional(self) -> TensorSpec:
-        return TensorSpec(self.name, self.role, self.shape, required=False)
+        return TensorSpec(self.name, self.role, self.shape, required=False, alternative=self.alternative)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class Dims:
     n_ff: int
     rope_dim: int
     n_ctx: int
+    n_expert: int = 0  # mixture of experts: experts per layer
+    n_ff_exp: int = 0  # mixture of experts: each expert's FFN width
 
     def resolve(self, shape: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.size(name) for name in shape)
@@ -140,3 +145,24 @@ FFN_PLAIN_BIAS = (T(_blk("ffn_up.bias"), "bias", "n_ff"), T(_blk("ffn_down.bias"
 
 # The llama block: what most families start from.
 LLAMA = TOKEN_EMBD + OUTPUT_NORM + OUTPUT + ATTN_NORM + ATTN_QKV_SPLIT + ATTN_OUT + FFN_NORM + FFN_GATED
+
+
+def alternative(name: str, *specs: TensorSpec) -> tuple[TensorSpec, ...]:
+    """`specs` as the family's alternative `name` for their component (see TensorSpec.alternative)."""
+    return tuple(TensorSpec(s.name, s.role, s.shape, s.required, alternative=name) for s in specs)
+
+
+# Mixture of experts (llama.cpp build_moe_ffn): a router, and each FFN matrix stacked over the experts, numpy
+# shape (n_expert, n_out, n_in). Role "experts": a 3-D weight whose selected experts multiply x as x @ W[e].T.
+FFN_MOE = (
+    T(_blk("ffn_gate_inp.weight"), "linear", "n_expert", "n_embd"),
+    T(_blk("ffn_gate_exps.weight"), "experts", "n_expert", "n_ff_exp", "n_embd"),
+    T(_blk("ffn_up_exps.weight"), "experts", "n_expert", "n_ff_exp", "n_embd"),
+    T(_blk("ffn_down_exps.weight"), "experts", "n_expert", "n_embd", "n_ff_exp"),
+)
+FFN_MOE_ROUTER_BIAS = (T(_blk("ffn_gate_inp.bias"), "bias", "n_expert"),)
+FFN_MOE_BIAS = (  # one bias row per expert
+    T(_blk("ffn_gate_exps.bias"), "bias", "n_expert", "n_ff_exp"),
+    T(_blk("ffn_up_exps.bias"), "bias", "n_expert", "n_ff_exp"),
+    T(_blk("ffn_down_exps.bias"), "bias", "n_expert", "n_embd"),
+)
