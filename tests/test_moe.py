@@ -382,3 +382,15 @@ def test_slot_engine_runs_moe(tiny_gguf, tmp_path_factory):
         want = single.run(seq, 0, all_logits=True)
         rows = sorted(got[i])
         np.testing.assert_allclose(np.stack([got[i][r] for r in rows]), want[rows], rtol=1e-4, atol=1e-4)
+
+
+def test_expert_routing_reports_choices_weights_and_load(moe_module, tiny_gguf):
+    from alchemist.harness.routing import expert_routing
+    from alchemist.runtime.engine import Engine
+
+    engine = Engine(moe_module, moe_module.load_weights(str(tiny_gguf("qwen3moe"))), "c", 32)
+    r = expert_routing(engine, PROMPT[:6])
+    assert r["layers"] == [0, 1] and r["experts"].shape == (2, 6, 2) and r["weights"].shape == (2, 6, 2)
+    np.testing.assert_allclose(r["weights"].sum(-1), 1.0, rtol=1e-6)  # renormalized top-2
+    assert (r["experts"][..., 0] != r["experts"][..., 1]).all() and (np.diff(r["weights"], axis=-1) <= 0).all()
+    assert r["load"].shape == (2, 8) and (r["load"].sum(-1) == 12).all()
