@@ -1,17 +1,20 @@
 """Mixture-of-experts decode cost as the expert count grows, at a fixed top-k: C backend, Q4_K experts kept in
 their GGUF blocks and multiplied by the gathered-experts kernel (alchemist.kernels.QuantizedExpertMatmul).
 
-    python benchmarks/moe_scaling.py [--experts 4,8,16,32,64] [--top-k 2] [--steps 32] [--n-embd 512] [--n-ff 512]
+    python benchmarks/moe_scaling.py [--experts 4,8,16,32,64] [--top-k 2] [--steps 64] [--n-embd 512] [--n-ff 512]
+                                     [--threads N]
 
 For each expert count a qwen3moe fixture (2 layers, random weights) is written, quantized to Q4_K by
 llama.cpp, loaded on the C backend with quantized weights, and decoded greedily; the table gives the median
 decode step. A step reads K experts per layer, so its time should stay flat while the experts' bytes grow
-with the expert count.
+with the expert count. --threads sets OMP_NUM_THREADS (on a busy shared machine, 1 avoids OpenMP threads
+spinning against other processes, which otherwise dominates a sub-millisecond step).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -66,10 +69,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", default="4,8,16,32,64")
     ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--n-embd", type=int, default=512)
     ap.add_argument("--n-ff", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the kernels (default: as set)")
     args = ap.parse_args(argv)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before the compiled kernels load OpenMP
     counts = [int(c) for c in args.experts.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="alchemist-moe-") as tmp:
@@ -80,7 +86,8 @@ def main(argv=None) -> None:
     base = rows[0]["step_ms"]
     print(
         f"\nqwen3moe fixture, 2 layers, n_embd {args.n_embd}, experts of width {args.n_ff}, top-{args.top_k}, "
-        f"Q4_K experts (llama.cpp Q4_K_M mixture) in GGUF blocks, C backend, median of {args.steps} decode steps\n"
+        f"Q4_K experts (llama.cpp Q4_K_M mixture) in GGUF blocks, C backend, "
+        f"{os.environ.get('OMP_NUM_THREADS', 'default')} OpenMP threads, median of {args.steps} decode steps\n"
     )
     print("| experts | expert weights (MB) | expert bytes read per token (MB) | decode step (ms) | vs fewest |")
     print("| ---: | ---: | ---: | ---: | ---: |")
