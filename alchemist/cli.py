@@ -64,7 +64,8 @@ def describe_components(ir) -> list[str]:
         + (f", residual x{lay.residual_scale:g}" if lay.residual_scale != 1.0 else ""),
         f"attention     {att.n_head} query heads, {att.n_kv_head} KV heads, head size {att.head_dim}, "
         f"scale {att.score_scale:.6g}" + "".join(f", {e}" for e in extras if e),
-        f"mlp           {mlp.kind.value}, {mlp.activation.value}, ffn {mlp.n_ff}" + (", biases" if mlp.up_bias else ""),
+        f"mlp           {mlp.kind.value}, {mlp.activation.value}, ffn {mlp.n_ff}" + (", biases" if mlp.up_bias else "")
+        + (f", {mlp.router.n_expert} experts, top-{mlp.router.n_expert_used}" if mlp.router else ""),
         f"rope          {rope.style.value if all(rotating) or not any(rotating) else f'{sum(rotating)} of {ir.n_layer} layers'}, "
         f"dims {rope.dim}, scaling {rope.scaling.value}, bases {sorted({x.attention.rope.base for x in ir.attention_layers})}",
         f"windows       {windows} (0 = global)",

@@ -122,6 +122,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     n_layer = cfg.n_layer or spec.n_layer
     rng = np.random.default_rng(cfg.seed)
     extra = dict(spec.metadata + cfg.metadata)
+    n_expert, n_ff_exp = _expert_dims(family, extra, cfg)
     dims = Dims(
         n_vocab=cfg.n_vocab,
         n_embd=cfg.n_embd,
@@ -132,6 +133,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         rope_dim=cfg.rope_dim or spec.rope_dim or cfg.head_dim,
         n_ctx=cfg.n_ctx,
         conv_kernel=int(extra.get("shortconv.l_cache", 0)),
+        n_expert=n_expert,
+        n_ff_exp=n_ff_exp,
     )
     mixers = _layer_mixers(family, arch, extra, n_layer)
     path = Path(path)
@@ -167,7 +170,11 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
             # it, so predictions are decisive) and perturb it, so the untied path is still its own tensor.
             d = cfg.n_embd
             return (embd / np.sqrt(d) * 4.0 + 0.5 * rng.standard_normal(shape) / np.sqrt(d)).astype(wdtype)
-        if role == "linear":
+        if name.endswith("ffn_gate_inp.weight"):
+            # a decisive router (logits of spread ~4): llama.cpp's activation rounding on quantized files must
+            # not flip which experts a token picks, and where two are close, neither weighs much
+            return (4.0 * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        if role in ("linear", "experts"):
             return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(wdtype)
         if role == "position_embedding":
             return (0.1 * rng.standard_normal(shape)).astype(wdtype)
@@ -181,7 +188,9 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
             return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
         raise ValueError(f"{arch} fixture: no values for role {role!r} ({name})")
 
-    wanted = [t for t in family.tensors if t.required or t.name in spec.optional]
+    alternatives = list(dict.fromkeys(t.alternative for t in family.tensors if t.alternative))
+    chosen = spec.alternative or (alternatives[0] if alternatives else "")
+    wanted = [t for t in family.tensors if t.alternative in ("", chosen) and (t.required or t.name in spec.optional)]
     for t in (t for t in wanted if not t.per_layer):
         w.add_tensor(t.name, values(t.name, t.role, dims.resolve(t.shape)))
     for il in range(n_layer):
@@ -203,6 +212,14 @@ def _layer_mixers(family, arch: str, metadata: dict, n_layer: int) -> list[str]:
     values = {f"{arch}.{k}": np.array(v) if isinstance(v, tuple) else v for k, v in metadata.items()}
     facts = SimpleNamespace(path="<fixture>", metadata=values, tensors={})
     return family.layer_mixers(Hparams(facts, arch), n_layer)
+def _expert_dims(family, metadata: dict, cfg: FixtureConfig) -> tuple[int, int]:
+    """(n_expert, n_ff_exp) as the family reads them from this metadata (0, 0 for a dense fixture)."""
+    n_expert = int(metadata.get("expert_count", 0))
+    if not n_expert:
+        return 0, 0
+    meta = {f"{family.name}.{k}": v for k, v in metadata.items()} | {f"{family.name}.feed_forward_length": cfg.n_ff}
+    hp = Hparams(SimpleNamespace(path="<fixture>", metadata=meta, tensors={}), family.name)
+    return n_expert, family.moe.expert_width(hp, int(metadata["expert_used_count"]))
 
 
 def _write_vocab(w: gguf.GGUFWriter, kind: str, n_vocab: int) -> None:

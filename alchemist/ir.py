@@ -49,6 +49,15 @@ class MLPKind(str, Enum):
     GATED = "gated"  # down(act(gate(x)) · up(x))
     FUSED_GATED = "fused_gated"  # up(x) holds [gate | up]: down(act(first half) · second half)
     PLAIN = "plain"  # down(act(up(x)))
+    MOE = "moe"  # a router picks experts per token; each is a (gated) MLP of its own 3-D expert tensors
+
+
+class Gating(str, Enum):
+    """How a mixture-of-experts router turns its logits into expert scores and routing weights."""
+
+    SOFTMAX = "softmax"  # softmax over all experts; top-k of the probabilities; weights = those probabilities
+    SOFTMAX_WEIGHT = "softmax_weight"  # top-k of the raw logits, then a softmax over the k chosen (gpt-oss)
+    SIGMOID = "sigmoid"  # sigmoid of each logit; top-k of those; weights = those sigmoids
 
 
 class Wiring(str, Enum):
@@ -137,6 +146,22 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class RouterSpec:
+    """The router of a mixture of experts (llama.cpp's build_moe_ffn): logits = x @ weight.T (+ bias), scores
+    by `gating`, the n_expert_used best experts per token (ties: the lower index first) in descending order,
+    their weights normalized to sum 1 (when `normalize`; the sum clamped below at 2^-14) and scaled by
+    `weight_scale`; the experts' outputs are weighted and summed in that rank order."""
+
+    n_expert: int
+    n_expert_used: int
+    weight: str  # ffn_gate_inp.weight, (n_expert, n_embd)
+    bias: str | None = None  # ffn_gate_inp.bias, added to the logits before gating (gpt-oss)
+    gating: Gating = Gating.SOFTMAX
+    normalize: bool = True
+    weight_scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class MLPSpec:
     kind: MLPKind
     activation: Activation
@@ -147,6 +172,8 @@ class MLPSpec:
     up_bias: str | None = None
     down_bias: str | None = None
     gate_bias: str | None = None
+    # MOE: the router; up/gate/down (and their biases) are then 3-D expert tensors (n_expert, n_out, n_in)
+    router: RouterSpec | None = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True)
@@ -251,14 +278,12 @@ class ModelIR:
 
 def _asdict(obj):
     """dataclasses.asdict, leaving out LATER fields that hold their default."""
-    if dataclasses.is_dataclass(obj):
-        out = {}
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if f.metadata.get("omit_default") and value == f.default:
-                continue
-            out[f.name] = _asdict(value)
-        return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {
+            f.name: _asdict(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if not (f.metadata.get("omit_default") and getattr(obj, f.name) == f.default)
+        }
     if isinstance(obj, (list, tuple)):
         return type(obj)(_asdict(v) for v in obj)
     if isinstance(obj, dict):

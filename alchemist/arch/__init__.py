@@ -20,6 +20,7 @@ from alchemist.arch import (
     phi3,
     qwen2,
     qwen3,
+    qwen3moe,
     smollm3,
     stablelm,
     starcoder2,
@@ -50,6 +51,7 @@ FAMILY_MODULES = (
     command_r,
     cohere2,
     lfm2,
+    qwen3moe,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

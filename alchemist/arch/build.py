@@ -8,6 +8,7 @@ kind, post-norms, an untied output, RoPE factors.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from alchemist.arch.family import Family, Hparams
@@ -29,6 +30,7 @@ from alchemist.ir import (
     RopeSpec,
     RopeStyle,
     ShortConvSpec,
+    RouterSpec,
     TensorBinding,
 )
 from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
@@ -97,7 +99,10 @@ def bind_tensors(
     A per-layer entry of one token mixer (a hybrid's) belongs to the layers of `mixers` that mix that way."""
     bindings: dict[str, TensorBinding] = {}
     missing: list[str] = []
+    chosen = chosen_alternatives(facts, family)
     for spec in family.tensors:
+        if spec.alternative and spec.alternative not in chosen:
+            continue  # the other alternative's tensors are unknown to this file's model
         layers = [il for il in range(n_layer) if spec.mixer is None or mixers and mixers[il] == spec.mixer]
         names = [spec.name.format(il=il) for il in layers] if spec.per_layer else [spec.name]
         present = [n for n in names if n in facts.tensors]
@@ -122,6 +127,22 @@ def bind_tensors(
     return bindings
 
 
+def chosen_alternatives(facts: GGUFFacts, family: Family) -> set[str]:
+    """The family's alternatives this file has (one of each component's: "moe" when layer 0 holds any of its
+    tensors); a file with none has the first one, so that its missing tensors are named."""
+    alternatives: dict[str, bool] = {}
+    for spec in family.tensors:
+        if spec.alternative:
+            name = spec.name.format(il=0) if spec.per_layer else spec.name
+            alternatives[spec.alternative] = alternatives.get(spec.alternative, False) or name in facts.tensors
+    present = {a for a, found in alternatives.items() if found}
+    if len(present) > 1:
+        raise UnsupportedModelError(
+            f"{facts.path}: the file has tensors of several {family.name} alternatives ({', '.join(sorted(present))})"
+        )
+    return present or set(list(alternatives)[:1])
+
+
 def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int, ...]) -> TensorBinding:
     info = facts.tensors[name]
     if info.shape != expected:
@@ -131,7 +152,9 @@ def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int,
             f"expected {list(expected)} (numpy order, {' x '.join(spec.shape)}) from the hyperparameters, "
             f"found {list(info.shape)}",
         )
-    kernel = spec.role in ("linear", "embedding") and len(info.shape) == 2 and info.ggml_type in KERNEL_TYPES
+    kernel = info.ggml_type in KERNEL_TYPES and (
+        spec.role in ("linear", "embedding") and len(info.shape) == 2 or spec.role == "experts" and len(info.shape) == 3
+    )
     return TensorBinding(name, info.ggml_type, info.shape, info.offset, info.nbytes, spec.role, kernel)
 
 
@@ -186,14 +209,48 @@ def norm_spec(kind: NormKind, bound: set[str], weight: str, prefix: str = "") ->
     return NormSpec(kind, weight, bias if prefix + bias in bound else None)
 
 
+def experts(facts: GGUFFacts, hp: Hparams, family: Family) -> RouterSpec | None:
+    """The router of a mixture-of-experts file (expert_count > 0), None for a dense one. Every layer is then
+    a mixture, as in llama.cpp (its expert tensors are required by the family's table)."""
+    n_expert = hp.int("expert_count", default=0)
+    routed = any(spec.suffix == "ffn_gate_inp.weight" for spec in family.tensors)
+    if n_expert == 0:
+        if routed and "blk.0.ffn_gate_inp.weight" in facts.tensors:
+            raise GGUFError(facts.path, f"{family.name}.expert_count", "missing or 0, but the file has expert tensors")
+        return None
+    if not routed:
+        raise UnsupportedModelError(f"{facts.path}: {family.name} mixture-of-experts models are not supported")
+    if "blk.0.ffn_gate_inp.weight" not in facts.tensors:
+        raise UnsupportedModelError(
+            f"{facts.path}: {family.name}.expert_count is {n_expert}, but the file has no mixture-of-experts router "
+            "(blk.0.ffn_gate_inp.weight)"
+        )
+    n_used = hp.int("expert_used_count", default=0)
+    if not 1 <= n_used <= n_expert:
+        raise GGUFError(facts.path, f"{family.name}.expert_used_count", f"must be in [1, {n_expert}], got {n_used}")
+    moe = family.moe
+    return RouterSpec(
+        n_expert=n_expert,
+        n_expert_used=n_used,
+        weight="ffn_gate_inp.weight",
+        gating=moe.gating,
+        normalize=moe.normalize,
+        weight_scale=moe.weight_scale(hp),
+    )
+
+
 def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     hp = Hparams(facts, family.name)
     mixers = family.layer_mixers(hp, hp.int("block_count", minimum=1)) if family.layer_mixers else None
     dims = read_dims(facts, hp, mixers)
     n_layer = hp.int("block_count", minimum=1)
     norm_eps = hp.float(EPS_KEYS[family.norm], positive=True)
-    if hp.int("expert_count", default=0) > 0:
-        raise UnsupportedModelError(f"{facts.path}: mixture-of-experts models are not supported yet")
+    router = experts(facts, hp, family)
+    if router:
+        n_ff_exp = family.moe.expert_width(hp, router.n_expert_used)
+        if n_ff_exp < 1:
+            raise GGUFError(facts.path, f"{family.name}.expert_feed_forward_length", f"must be >= 1, got {n_ff_exp}")
+        dims = dataclasses.replace(dims, n_expert=router.n_expert, n_ff_exp=n_ff_exp)
     bindings = bind_tensors(facts, family, dims, n_layer, mixers)
     bound = set(bindings)
     table = {spec.suffix: spec for spec in family.tensors}
@@ -228,23 +285,39 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     qk_scope = QKNormScope.HEAD
     if "attn_q_norm.weight" in layer0 and table["attn_q_norm.weight"].shape == ("n_q",):
         qk_scope = QKNormScope.FULL
-    if "ffn_gate.weight" in layer0:
+    if router:
+        mlp_kind = MLPKind.MOE
+    elif "ffn_gate.weight" in layer0:
         mlp_kind = MLPKind.GATED
     elif table["ffn_up.weight"].shape[0] == "n_ff2":
         mlp_kind = MLPKind.FUSED_GATED
     else:
         mlp_kind = MLPKind.PLAIN
-    mlp = MLPSpec(
-        kind=mlp_kind,
-        activation=family.activation,
-        n_ff=dims.n_ff,
-        up="ffn_up.weight",
-        down="ffn_down.weight",
-        gate=present("ffn_gate.weight"),
-        up_bias=present("ffn_up.bias"),
-        down_bias=present("ffn_down.bias"),
-        gate_bias=present("ffn_gate.bias"),
-    )
+    if router:
+        mlp = MLPSpec(
+            kind=mlp_kind,
+            activation=family.activation,
+            n_ff=dims.n_ff_exp,
+            up="ffn_up_exps.weight",
+            down="ffn_down_exps.weight",
+            gate=present("ffn_gate_exps.weight"),
+            up_bias=present("ffn_up_exps.bias"),
+            down_bias=present("ffn_down_exps.bias"),
+            gate_bias=present("ffn_gate_exps.bias"),
+            router=dataclasses.replace(router, bias=present("ffn_gate_inp.bias")),
+        )
+    else:
+        mlp = MLPSpec(
+            kind=mlp_kind,
+            activation=family.activation,
+            n_ff=dims.n_ff,
+            up="ffn_up.weight",
+            down="ffn_down.weight",
+            gate=present("ffn_gate.weight"),
+            up_bias=present("ffn_up.bias"),
+            down_bias=present("ffn_down.bias"),
+            gate_bias=present("ffn_gate.bias"),
+        )
     conv = None
     if mixers and "conv" in mixers:
         conv = ShortConvSpec(

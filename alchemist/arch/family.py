@@ -18,7 +18,7 @@ import numpy as np
 from alchemist.arch.table import TensorSpec
 from alchemist.errors import GGUFError, UnsupportedModelError
 from alchemist.gguf_io import GGUFFacts
-from alchemist.ir import Activation, NormKind, RopeStyle, Wiring
+from alchemist.ir import Activation, Gating, NormKind, RopeStyle, Wiring
 
 REQUIRED = object()
 
@@ -136,6 +136,23 @@ def attention_scale_key(hp: Hparams, head_dim: int) -> float:
     return hp.float("attention.scale", default=0.0) or 1.0 / math.sqrt(head_dim)
 
 
+def expert_width_from_ff(hp: Hparams, n_expert_used: int) -> int:
+    """llama's experts are feed_forward_length wide (llama.cpp reads no expert width for it)."""
+    return hp.int("feed_forward_length", minimum=1)
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """How a family's mixture of experts routes, where llama.cpp fixes it per family (build_moe_ffn's arguments)
+    rather than reading it from the file; used when the file has a router (ffn_gate_inp)."""
+
+    gating: Gating = Gating.SOFTMAX
+    normalize: bool = True  # renormalize the chosen experts' weights to sum 1
+    weight_scale: Callable[[Hparams], float] = lambda hp: 1.0  # multiplies the weights (expert_weights_scale)
+    # (hp, n_expert_used) -> each expert's FFN width
+    expert_width: Callable[[Hparams, int], int] = expert_width_from_ff
+
+
 @dataclass(frozen=True)
 class FixtureSpec:
     """How `alchemist.fixtures` writes a tiny random-weight model of the family (tensors: from its table)."""
@@ -146,6 +163,7 @@ class FixtureSpec:
     embedding_std: float = 1.0  # spread of the random token embedding
     n_layer: int = 2  # more when the family's layers differ by index (e.g. RoPE on 3 of every 4)
     rope_dim: int | None = None  # partial rotary: fewer than the head's 64 dims
+    alternative: str = ""  # which of the table's alternatives to write (default: the first), e.g. "moe"
     # other shapes of the same family worth their own fixture: (name, FixtureSpec), written as "<family>:<name>"
     variants: tuple[tuple[str, "FixtureSpec"], ...] = ()
 
@@ -184,5 +202,6 @@ class Family:
     # (alchemist's tap name, llama.cpp's name for that tensor) where src/models/<family>.cpp names its
     # intermediates its own way; a name llama.cpp uses for another tensor must be mapped away from it
     tap_names: tuple[tuple[str, str], ...] = ()
+    moe: ExpertRouting = ExpertRouting()
     fixture: FixtureSpec = FixtureSpec()
     notes: tuple[str, ...] = field(default=())

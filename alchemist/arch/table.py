@@ -23,6 +23,9 @@ class TensorSpec:
     shape: tuple[str, ...]  # dimension names, numpy order
     required: bool = True
     mixer: str | None = None  # per-layer tensor of only the layers that mix tokens this way ("attention", "conv")
+    # one of a family's alternatives for a component ("dense" or "moe" FFN): required only in files that have
+    # that alternative (the file's layer 0 holds one of its tensors); "" for a tensor of every file
+    alternative: str = ""
 
     @property
     def per_layer(self) -> bool:
@@ -50,6 +53,8 @@ class Dims:
     rope_dim: int
     n_ctx: int
     conv_kernel: int = 0  # a short convolution's length (lfm2's shortconv.l_cache)
+    n_expert: int = 0  # mixture of experts: experts per layer
+    n_ff_exp: int = 0  # mixture of experts: each expert's FFN width
 
     def resolve(self, shape: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.size(name) for name in shape)
@@ -158,4 +163,25 @@ SHORTCONV = only_in(
     T(_blk("shortconv.in_proj.weight"), "linear", "n_embd3", "n_embd"),
     T(_blk("shortconv.conv.weight"), "conv", "n_embd", "conv_kernel"),
     T(_blk("shortconv.out_proj.weight"), "linear", "n_embd", "n_embd"),
+)
+
+
+def alternative(name: str, *specs: TensorSpec) -> tuple[TensorSpec, ...]:
+    """`specs` as the family's alternative `name` for their component (see TensorSpec.alternative)."""
+    return tuple(replace(s, alternative=name) for s in specs)
+
+
+# Mixture of experts (llama.cpp build_moe_ffn): a router, and each FFN matrix stacked over the experts, numpy
+# shape (n_expert, n_out, n_in). Role "experts": a 3-D weight whose selected experts multiply x as x @ W[e].T.
+FFN_MOE = (
+    T(_blk("ffn_gate_inp.weight"), "linear", "n_expert", "n_embd"),
+    T(_blk("ffn_gate_exps.weight"), "experts", "n_expert", "n_ff_exp", "n_embd"),
+    T(_blk("ffn_up_exps.weight"), "experts", "n_expert", "n_ff_exp", "n_embd"),
+    T(_blk("ffn_down_exps.weight"), "experts", "n_expert", "n_embd", "n_ff_exp"),
+)
+FFN_MOE_ROUTER_BIAS = (T(_blk("ffn_gate_inp.bias"), "bias", "n_expert"),)
+FFN_MOE_BIAS = (  # one bias row per expert
+    T(_blk("ffn_gate_exps.bias"), "bias", "n_expert", "n_ff_exp"),
+    T(_blk("ffn_up_exps.bias"), "bias", "n_expert", "n_ff_exp"),
+    T(_blk("ffn_down_exps.bias"), "bias", "n_expert", "n_embd"),
 )

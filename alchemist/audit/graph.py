@@ -69,8 +69,9 @@ def build_forward(
 
     b = Build(quantized)
     for name, (gtype, shape, _, nbytes) in tensors.items():
-        if quantized and name in kernel:
-            b.weights[name] = pt.tensor(name, dtype="uint8", shape=(shape[0], nbytes // shape[0]))
+        if quantized and name in kernel:  # (n_out, row bytes), or (n_expert, n_out, row bytes)
+            rows = math.prod(shape[:-1])
+            b.weights[name] = pt.tensor(name, dtype="uint8", shape=(*shape[:-1], nbytes // rows))
         else:
             b.weights[name] = pt.tensor(name, dtype="float32", shape=shape)
     tokens = pt.tensor("tokens", dtype="int64", shape=(N_TOKENS,))
@@ -146,7 +147,7 @@ def probe_loader(module, tensors: dict, kernel: set) -> list[str]:
                 for name, (gtype, small, _, nbytes) in table.items():
                     value = np.asarray(got[name])
                     if quantized and name in kernel:
-                        want = raw[name].reshape(small[0], -1)
+                        want = raw[name].reshape(*small[:-1], -1)
                         what = "its uint8 GGUF blocks (n_out, bytes per row)"
                     else:
                         rows = raw[name].reshape(small[:-1] + (-1,))
@@ -167,15 +168,17 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 def kernel_findings(b: Build, tensors: dict, kernel: set, roles: dict) -> tuple[list[str], int]:
     """Every uint8 weight of a quantized build is only the blocks of a kernel Op of its type and stored shape."""
-    from alchemist.kernels import QuantizedEmbedding, QuantizedMatmul
+    from alchemist.kernels import QuantizedEmbedding, QuantizedExpertMatmul, QuantizedMatmul
 
     f, n = [], 0
     for name in sorted(kernel):
-        gtype, (n_out, n_in) = tensors[name][0], tensors[name][1]
+        gtype, shape = tensors[name][0], tuple(tensors[name][1])
         for node, i in b.clients.get(b.weights[name], []):
             op = node.op
             if isinstance(op, QuantizedMatmul) and i == 1:
                 got = (op.ggml_type, op.n_out, op.n_in)
+            elif isinstance(op, QuantizedExpertMatmul) and i == 1:
+                got = (op.ggml_type, op.n_expert, op.n_out, op.n_in)
             elif isinstance(op, QuantizedEmbedding) and i == 0 and roles.get(name, "embedding") in ROW_ROLES:
                 got = (op.ggml_type, op.n_rows, op.n_in)
             else:
@@ -185,8 +188,8 @@ def kernel_findings(b: Build, tensors: dict, kernel: set, roles: dict) -> tuple[
                 )
                 continue
             n += 1
-            if got != (gtype, n_out, n_in):
-                f.append(f"{name} is {gtype} ({n_out}, {n_in}) but reaches {type(op).__name__}{got}")
+            if got != (gtype, *shape):
+                f.append(f"{name} is {gtype} {shape} but reaches {type(op).__name__}{got}")
     return f, n
 
 
@@ -248,7 +251,11 @@ def orientation_findings(b: Build, tensors: dict, roles: dict) -> tuple[list[str
     f, n = [], 0
     for name, var in b.weights.items():
         role = roles.get(name)
-        if var.dtype != "float32" or var.ndim != 2:
+        if var.dtype == "float32" and role == "experts" and var.ndim == 3:
+            found, uses = expert_orientation(b, name, var, tensors[name][1])
+            f, n = f + found, n + uses
+            continue
+        if var.dtype != "float32" or var.ndim != 2 or role == "bias":  # biases (per expert: 2-D) are added
             continue
         if role not in ("linear", "conv", *ROW_ROLES):
             f.append(f"{name} is a 2-D tensor of role {role!r}, for which the auditor has no orientation rule")
@@ -291,6 +298,46 @@ def orientation_findings(b: Build, tensors: dict, roles: dict) -> tuple[list[str
     return f, n
 
 
+def expert_orientation(b: Build, name: str, var, shape) -> tuple[list[str], int]:
+    """A float32 stack of experts (n_expert, n_out, n_in): gathered by expert on axis 0, then each chosen
+    matrix contracted over its axis 2 (x @ W[e].T)."""
+    from pytensor.tensor.elemwise import DimShuffle, Elemwise
+    from pytensor.tensor.subtensor import AdvancedSubtensor
+
+    f, uses, stack = [], 0, [(var, (0, 1, 2))]
+    while stack:
+        v, perm = stack.pop()
+        for node, i in b.clients.get(v, []):
+            op, out = node.op, node.outputs[0]
+            if isinstance(op, DimShuffle):
+                stack.append((out, tuple(None if o == "x" else perm[o] for o in op.new_order)))
+            elif isinstance(op, Elemwise) and out.type.shape == v.type.shape:
+                stack.append((out, perm))
+            elif (
+                isinstance(op, AdvancedSubtensor)
+                and i == 0
+                and perm[0] == 0
+                and len(node.inputs) == 2
+                and node.inputs[1].dtype.startswith("int")
+            ):
+                stack.append((out, (None,) * node.inputs[1].ndim + perm[1:]))  # W[experts]: the chosen matrices
+            elif (axis := _contracted(node, i, v.ndim)) is not None and 0 not in perm:
+                uses += 1
+                if perm[axis] != 2:
+                    f.append(
+                        f"{name} (experts, stored (n_expert, n_out, n_in) = {shape}) is contracted over its axis "
+                        f"{perm[axis]}, not its axis 2 (x @ W[e].T)"
+                    )
+            else:
+                f.append(
+                    f"{name} (experts) reaches {op} (input {i}) with its axes in order {perm}, where its orientation "
+                    "cannot be checked (experts are gathered by expert, then contracted over n_in)"
+                )
+    if not uses and var in b.clients:
+        f.append(f"{name} (experts) is never applied as a matrix (gathered by expert, then contracted)")
+    return f, uses
+
+
 def check_orientation(ctx: Context, g: "GraphAudit"):
     f, n = [], 0
     for b in g.builds:
@@ -298,6 +345,7 @@ def check_orientation(ctx: Context, g: "GraphAudit"):
         f += [x for x in found if x not in f]
         n += count
     float_2d = sum(1 for e in ctx.tensors().values() if len(e[1]) == 2)
+    experts = sum(1 for role in g.roles.values() if role == "experts")
     return result(
         "orientation",
         f,
@@ -305,6 +353,12 @@ def check_orientation(ctx: Context, g: "GraphAudit"):
             f"every float32 2-D weight ({float_2d} linear/embedding tensors) is contracted over its axis 1 (x @ W.T for "
             f"W stored (n_out, n_in)) or, an embedding, gathered by rows ({n} uses followed through transposes into "
             "dot/matmul or row gathers); the kernels' (n_out, n_in) are checked under dequantization"
+        )
+        + (
+            f"; every float32 expert stack ({experts} tensors, (n_expert, n_out, n_in)) is gathered by expert and "
+            "contracted over its axis 2"
+            if experts
+            else ""
         ),
     )
 

@@ -124,7 +124,9 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("attention biases that do not match its projections")
     if bool(att.q_norm) != bool(att.k_norm):
         problems.append("a q norm without a k norm (or the reverse)")
-    if (mlp.kind is MLPKind.GATED) != bool(mlp.gate) or (mlp.gate_bias and not mlp.gate):
+    if (mlp.kind is MLPKind.MOE) != bool(mlp.router):
+        problems.append("a mixture of experts without a router (or a router outside one)")
+    if mlp.kind is not MLPKind.MOE and (mlp.kind is MLPKind.GATED) != bool(mlp.gate) or (mlp.gate_bias and not mlp.gate):
         problems.append(f"a {mlp.kind.value} MLP with{'out' if not mlp.gate else ''} a gate tensor")
     if first.wiring is Wiring.PARALLEL and (first.attn_norm is None or first.attn_post_norm or first.ffn_post_norm):
         problems.append("a parallel block needs an input norm and has no post-norms")
@@ -166,6 +168,11 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         ("NORM_EPS", ir.norm_eps, ""),
         ("SCORE_SCALE", att.score_scale, "multiplies q·k before the softmax"),
     ]
+    if mlp.router:
+        rows.append(("N_EXPERT", mlp.router.n_expert, "experts per layer, each an MLP of width N_FF"))
+        rows.append(("N_EXPERT_USED", mlp.router.n_expert_used, "experts each token is routed to"))
+        if mlp.router.weight_scale != 1.0:
+            rows.append(("EXPERT_WEIGHT_SCALE", mlp.router.weight_scale, "multiplies the routing weights"))
     if att.logit_softcap:
         rows.append(("ATTN_LOGIT_SOFTCAP", att.logit_softcap, "scores = cap · tanh(scores / cap)"))
     if ir.embedding.scale != 1.0:

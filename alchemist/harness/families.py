@@ -66,7 +66,10 @@ def quirks(ir: ModelIR) -> list[str]:
             out.append(f"{att.rope.scaling.value} RoPE scaling")
     if any(x.attention.sliding_window for x in ir.attention_layers):
         out.append("sliding window")
-    if mlp.kind is not MLPKind.GATED or mlp.activation.value != "silu":
+    if mlp.router:
+        r = mlp.router
+        out.append(f"mixture of experts ({r.n_expert} experts, top-{r.n_expert_used}, {r.gating.value} router)")
+    elif mlp.kind is not MLPKind.GATED or mlp.activation.value != "silu":
         out.append(f"{mlp.kind.value.replace('_', ' ')} {mlp.activation.value} MLP")
     if mlp.up_bias:
         out.append("MLP bias")

@@ -2,12 +2,18 @@
 
     y = quantized_linear(x, w_blocks, "Q5_0", n_out, n_in)      # == x @ dequantize(w_blocks).T
     e = quantized_embedding(w_blocks, tokens, "Q8_0", n_rows, n_in)  # == dequantize(w_blocks)[tokens]
+    m = quantized_expert_linear(x, w_blocks, ids, "Q4_K", n_expert, n_out, n_in)  # m[t, j] == x[t] @ W[ids[t, j]].T
 
 x: symbolic (T, n_in) float32. w_blocks: (n_out, row_bytes) uint8, the tensor's GGUF bytes one row per
 output (`raw.reshape(n_out, -1)`, see `as_blocks`); no repacking. Result: symbolic (T, n_out) float32.
 Types: SUPPORTED_TYPES = Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4. The Ops check at run time that
 the arrays have the (n_out, n_in) they were built for (on C these are run-time parameters, so one compiled
 module serves every shape of a type).
+
+Mixture of experts (`QuantizedExpertMatmul`): w_blocks (n_expert, n_out, row_bytes), ids (T, K); only the chosen
+experts' blocks are read (C: each chosen expert through the matmul kernel once, its routed tokens as the batch;
+Numba: each chosen expert's rows dequantized once and dotted with its tokens; JAX/MLX: their blocks taken and
+dequantized in the graph).
 
 Per backend (Ops `QuantizedMatmul`, `QuantizedEmbedding`):
   C (CVM)   C++ kernels (AVX-512 / AVX2 intrinsics, portable fallback), OpenMP over output rows;
@@ -32,18 +38,27 @@ from __future__ import annotations
 import numpy as np
 
 from alchemist.kernels.formats import BLOCK_SIZES, SUPPORTED_TYPES, block_size, dequantize_rows, row_bytes
-from alchemist.kernels.op import QuantizedEmbedding, QuantizedMatmul, dequantize_then_dot
+from alchemist.kernels.op import (
+    QuantizedEmbedding,
+    QuantizedExpertMatmul,
+    QuantizedMatmul,
+    dequantize_experts_then_matmul,
+    dequantize_then_dot,
+)
 
 __all__ = [
     "BLOCK_SIZES",
     "SUPPORTED_TYPES",
     "QuantizedEmbedding",
+    "QuantizedExpertMatmul",
     "QuantizedMatmul",
     "as_blocks",
     "block_size",
+    "dequantize_experts_then_matmul",
     "dequantize_rows",
     "dequantize_then_dot",
     "quantized_embedding",
+    "quantized_expert_linear",
     "quantized_linear",
     "register_numba",
     "row_bytes",
@@ -65,6 +80,13 @@ def quantized_embedding(w_blocks, indices, ggml_type: str, n_rows: int, n_in: in
     return QuantizedEmbedding(ggml_type, n_rows, n_in)(w_blocks, indices)
 
 
+def quantized_expert_linear(x, w_blocks, ids, ggml_type: str, n_expert: int, n_out: int, n_in: int):
+    """Mixture of experts: x (T, n_in) or (T, K, n_in) float32, w_blocks (n_expert, n_out, row_bytes) uint8, ids
+    (T, K) int -> (T, K, n_out) float32 with y[t, j] = x[t] (or x[t, j]) @ dequant(w_blocks[ids[t, j]]).T.
+    Only the experts in ids are read; on JAX/MLX (static T) their blocks are taken and dequantized in the graph."""
+    return QuantizedExpertMatmul(ggml_type, n_expert, n_out, n_in)(x, w_blocks, ids)
+
+
 def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...], copy: bool = True) -> np.ndarray:
     """A tensor's raw GGUF bytes (flat uint8) -> the (n_out, row_bytes) uint8 matrix `quantized_linear` takes.
 
@@ -73,7 +95,7 @@ def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...], copy: boo
     allocation, which numpy backs with huge pages, and independent of the file's memory map: ~0.1 s for
     250 MB); copy=False returns a view of `raw`.
     """
-    *lead, n_in = shape
+    *lead, n_in = shape  # (n_out, n_in), or (n_expert, n_out, n_in) for a mixture's experts
     n_rows = int(np.prod(lead, dtype=np.int64))
     rb = row_bytes(ggml_type, n_in)
     flat = np.asarray(raw).view(np.uint8).reshape(-1)
@@ -85,9 +107,11 @@ def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...], copy: boo
 
 def register_numba() -> None:
     """Register the Numba kernels now (otherwise done on the first compile in a mode with the "numba" tag)."""
+    from alchemist.kernels.numba_experts import register_numba as _register_experts
     from alchemist.kernels.numba_kernels import register_numba as _register
 
     _register()
+    _register_experts()
 
 
 def _install_lazy_numba_registration() -> None:
@@ -109,7 +133,8 @@ def _install_lazy_numba_registration() -> None:
 
     class _RegisterNumbaKernels(GraphRewriter):
         def apply(self, fgraph):
-            if any(isinstance(node.op, (QuantizedMatmul, QuantizedEmbedding)) for node in fgraph.apply_nodes):
+            kernel_ops = (QuantizedMatmul, QuantizedEmbedding, QuantizedExpertMatmul)
+            if any(isinstance(node.op, kernel_ops) for node in fgraph.apply_nodes):
                 register_numba()
 
     name = "alchemist_register_numba_kernels"

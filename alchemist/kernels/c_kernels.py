@@ -23,6 +23,8 @@ them in registers; every token's operations stay in the same order, so row t of 
 For T >= 16 (prefill), when PyTensor has a BLAS: panels of ~1 MB of rows are dequantized exactly as
 gguf-py does (float32, no FMA contraction) and multiplied by sgemm, i.e. literally dequantize-then-matmul
 without ever holding more than one panel in float32.
+run_experts (the mixture-of-experts product) groups the (token, rank) pairs by their expert and runs each chosen
+expert's rows through the same kernel, its routed tokens as the batch; unchosen experts are never read.
 Output rows are split across OpenMP threads (when compiled with -fopenmp and the weights exceed 64 KB);
 weights are software-prefetched 4 KB ahead.
 """
@@ -608,6 +610,59 @@ static idx_t embed(const uint8_t *W, idx_t n_rows, idx_t n_in, const int64_t *id
         dequantize_row<Q>(W + r * rb, nb, Y + t * n_in);
     }
     return 0;
+}
+
+/* Mixture of experts: Y[t, j, :] = X[t] (X[t, j] when x_per_rank) @ dequant(W[ids[t, j]]).T, W (n_expert, n_out,
+   row bytes). The (t, j) pairs are grouped by expert and each expert's rows go through run<Q> once, with
+   its routed tokens as the batch: only the chosen experts' blocks are read, and a pair's result is the
+   one-token product of its row (run<Q>'s contract for T < 16). 0: done; 1: out of memory; -1 - i: ids[i]
+   is not an expert. */
+template <class Q>
+static idx_t run_experts(const uint8_t *W, idx_t n_expert, idx_t n_out, idx_t n_in, const float *X, int x_per_rank,
+                         const int64_t *ids, idx_t T, idx_t K, float *Y) {
+    const idx_t rb = (n_in / Q::QK) * Q::BS, n = T * K;
+    for (idx_t i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= n_expert) return -1 - i;
+    idx_t *start = (idx_t *)calloc((size_t)(n_expert + 1), sizeof(idx_t));
+    idx_t *order = (idx_t *)malloc(sizeof(idx_t) * (size_t)(n + 1));
+    float *xb = (float *)malloc(sizeof(float) * (size_t)(n * n_in + 1));
+    float *yb = (float *)malloc(sizeof(float) * (size_t)(n * n_out + 1));
+    idx_t status = 0;
+    if (!start || !order || !xb || !yb) {
+        status = 1;
+        goto done;
+    }
+    for (idx_t i = 0; i < n; ++i) start[ids[i] + 1] += 1;
+    for (idx_t e = 0; e < n_expert; ++e) start[e + 1] += start[e];
+    {
+        idx_t *fill = (idx_t *)malloc(sizeof(idx_t) * (size_t)(n_expert + 1));
+        if (!fill) {
+            status = 1;
+            goto done;
+        }
+        memcpy(fill, start, sizeof(idx_t) * (size_t)(n_expert + 1));
+        for (idx_t i = 0; i < n; ++i) order[fill[ids[i]]++] = i; /* pairs in (t, j) order within an expert */
+        free(fill);
+    }
+    for (idx_t e = 0; e < n_expert; ++e) {
+        const idx_t a = start[e], cnt = start[e + 1] - start[e];
+        if (!cnt) continue;
+        for (idx_t r = 0; r < cnt; ++r) {
+            const idx_t i = order[a + r];
+            memcpy(xb + r * n_in, X + (x_per_rank ? i : i / K) * n_in, sizeof(float) * (size_t)n_in);
+        }
+        if (run<Q>(W + e * n_out * rb, n_out, n_in, xb, cnt, yb) != 0) {
+            status = 1;
+            goto done;
+        }
+        for (idx_t r = 0; r < cnt; ++r) memcpy(Y + order[a + r] * n_out, yb + r * n_out, sizeof(float) * (size_t)n_out);
+    }
+done:
+    free(start);
+    free(order);
+    free(xb);
+    free(yb);
+    return status;
 }
 
 }  // namespace alchemist_q

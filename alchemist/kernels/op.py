@@ -317,6 +317,146 @@ class QuantizedEmbedding(_KernelCOp):
         """
 
 
+class QuantizedExpertMatmul(_KernelCOp):
+    """Mixture of experts: x (T, n_in) or (T, K, n_in) float32, w (n_expert, n_out, row_bytes) uint8 GGUF rows,
+    ids (T, K) int -> (T, K, n_out) float32, y[t, j] = x[t] (or x[t, j]) @ dequant(w[ids[t, j]]).T.
+
+    Only the experts in ids are read (a decode step costs K experts, whatever n_expert); on C each chosen
+    expert runs QuantizedMatmul's kernel once over the tokens routed to it, so y[t, j] equals that kernel's
+    one-token product."""
+
+    __props__ = ("ggml_type", "n_expert", "n_out", "n_in")
+    params_type = ParamsType(n_expert=int64, n_out=int64, n_in=int64)
+
+    def __init__(self, ggml_type: str, n_expert: int, n_out: int, n_in: int):
+        formats.block_size(ggml_type)
+        self.ggml_type = ggml_type
+        self.n_expert = int(n_expert)
+        self.n_out = int(n_out)
+        self.n_in = int(n_in)
+        self.row_bytes = formats.row_bytes(ggml_type, self.n_in)
+        super().__init__()
+
+    @property
+    def weight_shape(self) -> tuple[int, int, int]:
+        """The (n_expert, n_out, n_in) of the weight this Op was built for."""
+        return (self.n_expert, self.n_out, self.n_in)
+
+    def get_params(self, node):
+        return self.params_type.get_params(n_expert=self.n_expert, n_out=self.n_out, n_in=self.n_in)
+
+    def make_node(self, x, w, ids):
+        x, w, ids = pt.as_tensor_variable(x), pt.as_tensor_variable(w), pt.as_tensor_variable(ids)
+        name = f"QuantizedExpertMatmul({self.ggml_type}, {self.n_expert}, {self.n_out}, {self.n_in})"
+        if x.type.ndim not in (2, 3) or x.type.dtype != "float32" or x.type.shape[-1] not in (None, self.n_in):
+            raise TypeError(f"{name}: x must be float32 (T, {self.n_in}) or (T, K, {self.n_in}), got {x.type}")
+        if w.type.ndim != 3 or w.type.dtype != "uint8":
+            raise TypeError(f"{name}: w must be uint8 ({self.n_expert}, {self.n_out}, {self.row_bytes}), got {w.type}")
+        for got, want, what in zip(w.type.shape, (self.n_expert, self.n_out, self.row_bytes), ("0", "1", "2")):
+            if got is not None and got != want:
+                raise ValueError(f"{name}: w.shape[{what}] is {got}, expected {want}")
+        if ids.type.ndim != 2 or not ids.type.dtype.startswith(("int", "uint")):
+            raise TypeError(f"{name}: ids must be an integer matrix (T, K), got {ids.type}")
+        ids = pt.cast(ids, "int64")
+        out = TensorType("float32", shape=(ids.type.shape[0], ids.type.shape[1], self.n_out))()
+        return Apply(self, [x, w, ids], [out])
+
+    def infer_shape(self, node, shapes):
+        return [(shapes[2][0], shapes[2][1], self.n_out)]
+
+    def _check(self, x, w, ids):
+        T, K = ids.shape
+        if (
+            w.shape != (self.n_expert, self.n_out, self.row_bytes)
+            or x.shape[0] != T
+            or x.shape[-1] != self.n_in
+            or (x.ndim == 3 and x.shape[1] != K)
+        ):
+            raise ValueError(
+                f"QuantizedExpertMatmul({self.ggml_type}, {self.n_expert}, {self.n_out}, {self.n_in}): got x {x.shape}, "
+                f"w {w.shape}, ids {ids.shape}"
+            )
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_expert):
+            raise IndexError(f"QuantizedExpertMatmul: expert ids must be in [0, {self.n_expert})")
+
+    def perform(self, node, inputs, output_storage):
+        x, w, ids = inputs
+        self._check(x, w, ids)
+        T, K = ids.shape
+        y = np.empty((T, K, self.n_out), dtype=np.float32)
+        for e in np.unique(ids):
+            weights = formats.reference_dequantize(w[e], self.ggml_type)
+            for t, j in zip(*np.nonzero(ids == e)):
+                y[t, j] = np.asarray((x[t, j] if x.ndim == 3 else x[t]) @ weights.T, dtype=np.float32)
+        output_storage[0][0] = y
+
+    def c_code(self, node, name, inputs, outputs, sub):
+        x, w, ids = inputs
+        (z,) = outputs
+        fail = sub["fail"]
+        params = sub["params"]
+        qk, bs = formats.block_size(self.ggml_type)
+        kernel = f"alchemist_q::run_experts<alchemist_q::{self.ggml_type}>"
+        per_rank = int(node.inputs[0].type.ndim == 3)
+        return f"""
+        {{
+            PyArrayObject *xc_ = NULL, *wc_ = NULL, *ic_ = NULL;
+            npy_intp dims_[3];
+            long long status_ = 0, bad_ = 0;
+            npy_intp T_ = PyArray_DIMS({ids})[0], K_ = PyArray_DIMS({ids})[1];
+            if (PyArray_NDIM({w}) != 3 || PyArray_DIMS({w})[0] != {params}->n_expert
+                || PyArray_DIMS({w})[1] != {params}->n_out || PyArray_DIMS({w})[2] != ({params}->n_in / {qk}) * {bs}
+                || PyArray_DIMS({x})[0] != T_ || PyArray_DIMS({x})[{per_rank + 1}] != {params}->n_in
+                || ({per_rank} && PyArray_DIMS({x})[1] != K_)) {{
+                PyErr_SetString(PyExc_ValueError,
+                    "QuantizedExpertMatmul({self.ggml_type}): x, w or ids does not have the shape the Op was built for");
+                {fail}
+            }}
+            xc_ = PyArray_GETCONTIGUOUS({x});
+            wc_ = PyArray_GETCONTIGUOUS({w});
+            ic_ = PyArray_GETCONTIGUOUS({ids});
+            if (!xc_ || !wc_ || !ic_) {{
+                Py_XDECREF(xc_);
+                Py_XDECREF(wc_);
+                Py_XDECREF(ic_);
+                {fail}
+            }}
+            dims_[0] = T_;
+            dims_[1] = K_;
+            dims_[2] = {params}->n_out;
+            if (!{z} || PyArray_NDIM({z}) != 3 || PyArray_DIMS({z})[0] != T_ || PyArray_DIMS({z})[1] != K_
+                || PyArray_DIMS({z})[2] != dims_[2] || PyArray_TYPE({z}) != NPY_FLOAT32 || !PyArray_IS_C_CONTIGUOUS({z})) {{
+                Py_XDECREF({z});
+                {z} = (PyArrayObject *)PyArray_EMPTY(3, dims_, NPY_FLOAT32, 0);
+                if (!{z}) {{
+                    Py_DECREF(xc_);
+                    Py_DECREF(wc_);
+                    Py_DECREF(ic_);
+                    {fail}
+                }}
+            }}
+            Py_BEGIN_ALLOW_THREADS
+            status_ = {kernel}((const uint8_t *)PyArray_DATA(wc_), {params}->n_expert, {params}->n_out, {params}->n_in,
+                               (const float *)PyArray_DATA(xc_), {per_rank}, (const int64_t *)PyArray_DATA(ic_), T_, K_,
+                               (float *)PyArray_DATA({z}));
+            Py_END_ALLOW_THREADS
+            if (status_ < 0) bad_ = (long long)((const npy_int64 *)PyArray_DATA(ic_))[-1 - status_];
+            Py_DECREF(xc_);
+            Py_DECREF(wc_);
+            Py_DECREF(ic_);
+            if (status_ == 1) {{
+                PyErr_NoMemory();
+                {fail}
+            }}
+            if (status_ < 0) {{
+                PyErr_Format(PyExc_IndexError, "QuantizedExpertMatmul: expert id %lld is not in [0, %lld)", bad_,
+                             (long long){params}->n_expert);
+                {fail}
+            }}
+        }}
+        """
+
+
 @lru_cache(maxsize=1)
 def _c_version() -> tuple[int, ...]:
     """PyTensor reuses compiled modules by this version: hash the kernel source and the c_code glue."""
@@ -324,6 +464,7 @@ def _c_version() -> tuple[int, ...]:
 
     try:
         glue = inspect.getsource(QuantizedMatmul.c_code) + inspect.getsource(QuantizedEmbedding.c_code)
+        glue += inspect.getsource(QuantizedExpertMatmul.c_code)
     except (OSError, TypeError):
         glue = ""
     blas = ""
@@ -365,13 +506,37 @@ def expand_quantized_embedding(fgraph, node):
     return [new if new.type == old.type else old.type.filter_variable(new, allow_convert=True)]
 
 
+def dequantize_experts_then_matmul(x, w, ids, ggml_type: str, n_expert: int, n_out: int, n_in: int):
+    """QuantizedExpertMatmul in plain PyTensor ops: the chosen experts' blocks taken, dequantized, multiplied.
+    Needs static (T, K)."""
+    n_tokens, k = ids.type.shape
+    rows = pt.specify_shape(w, (n_expert, n_out, formats.row_bytes(ggml_type, n_in)))[ids]  # (T, K, n_out, bytes)
+    rows = rows.reshape((n_tokens * k * n_out, -1))
+    weights = formats.dequantize_rows(pt, rows, ggml_type, n_tokens * k * n_out, n_in).reshape((n_tokens, k, n_out, n_in))
+    xs = x[:, None, :] if x.type.ndim == 2 else x
+    return pt.matmul(weights, xs[:, :, :, None])[:, :, :, 0]
+
+
+@node_rewriter([QuantizedExpertMatmul])
+def expand_quantized_expert_matmul(fgraph, node):
+    """For backends without a kernel (JAX, MLX): QuantizedExpertMatmul -> dequantize_experts_then_matmul."""
+    op = node.op
+    x, w, ids = node.inputs
+    if None in ids.type.shape:
+        return None  # the symbolic dequantizer needs static shapes; perform() will run instead
+    new = dequantize_experts_then_matmul(x, w, ids, op.ggml_type, op.n_expert, op.n_out, op.n_in)
+    old = node.outputs[0]
+    return [new if new.type == old.type else old.type.filter_variable(new, allow_convert=True)]
+
+
 def _register_expansion():
     from pytensor.compile.mode import optdb
 
     name = "alchemist_expand_quantized_matmul"
     if name not in optdb:
         # before canonicalize (position 1), so the expanded graph is rewritten like any other
-        optdb.register(name, in2out(expand_quantized_matmul, expand_quantized_embedding), "jax", "mlx", position=0.9)
+        rewrites = in2out(expand_quantized_matmul, expand_quantized_embedding, expand_quantized_expert_matmul)
+        optdb.register(name, rewrites, "jax", "mlx", position=0.9)
 
 
 _register_expansion()

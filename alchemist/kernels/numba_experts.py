@@ -1,0 +1,135 @@
+"""Numba kernel for `QuantizedExpertMatmul` (mixture of experts) and its registration with PyTensor's Numba
+backend. Kept apart from numba_kernels.py so that its compiled, cached drivers stay valid when this changes.
+
+The (token, rank) pairs are grouped by expert; each chosen expert's rows are dequantized once, exactly as
+gguf-py does (numba_kernels' decoders), and dotted with every token routed to it: unchosen experts are never
+read, so a decode step costs K experts whatever the expert count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numba
+import numpy as np
+from numba import prange
+
+from alchemist.kernels.numba_kernels import (
+    K_Q2_K,
+    K_Q3_K,
+    K_Q4_0,
+    K_Q4_1,
+    K_Q4_K,
+    K_Q5_0,
+    K_Q5_1,
+    K_Q5_K,
+    K_Q8_0,
+    KINDS,
+    _chunks,
+    _dot,
+    _dq_q2_k,
+    _dq_q3_k,
+    _dq_q4_0_q5_0,
+    _dq_q4_1_q5_1,
+    _dq_q4_k_q5_k,
+    _dq_q6_k,
+    _dq_q8_0,
+)
+
+
+@numba.njit(cache=True, fastmath=False, inline="always")
+def _dq_row(kind, row, n_in, out, n16):
+    if kind == K_Q8_0:
+        _dq_q8_0(kind, row, n_in // 32, out, n16)
+    elif kind == K_Q4_0 or kind == K_Q5_0:
+        _dq_q4_0_q5_0(kind, row, n_in // 32, out, n16)
+    elif kind == K_Q4_1 or kind == K_Q5_1:
+        _dq_q4_1_q5_1(kind, row, n_in // 32, out, n16)
+    elif kind == K_Q2_K:
+        _dq_q2_k(kind, row, n_in // 256, out, n16)
+    elif kind == K_Q3_K:
+        _dq_q3_k(kind, row, n_in // 256, out, n16)
+    elif kind == K_Q4_K or kind == K_Q5_K:
+        _dq_q4_k_q5_k(kind, row, n_in // 256, out, n16)
+    else:
+        _dq_q6_k(kind, row, n_in // 256, out, n16)
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def expert_matmul(kind, x, w, ids, n_in):
+    """y (T, K, n_out), y[t, j] = x[t, j or 0] @ dequant(w[ids[t, j]]).T for x (T, 1 or K, n_in), w (n_expert,
+    n_out, row_bytes) uint8, ids (T, K) int64."""
+    n_tokens, k = ids.shape
+    n_expert, n_out = w.shape[0], w.shape[1]
+    per_rank = x.shape[1] > 1
+    n16 = 16 + (n_in >> 62)
+    y = np.empty((n_tokens, k, n_out), dtype=np.float32)
+    start = np.zeros(n_expert + 1, dtype=np.int64)
+    for t in range(n_tokens):
+        for j in range(k):
+            e = ids[t, j]
+            if e < 0 or e >= n_expert:
+                raise IndexError("QuantizedExpertMatmul: expert id out of range")
+            start[e + 1] += 1
+    for e in range(n_expert):
+        start[e + 1] += start[e]
+    fill = start.copy()
+    order = np.empty(n_tokens * k, dtype=np.int64)
+    for i in range(n_tokens * k):
+        e = ids[i // k, i % k]
+        order[fill[e]] = i
+        fill[e] += 1
+    n_chunks = _chunks(n_out)
+    for e in range(n_expert):
+        a, b = start[e], start[e + 1]
+        if a == b:
+            continue
+        for ch in prange(n_chunks):
+            row = np.empty(n_in, dtype=np.float32)
+            for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+                _dq_row(kind, w[e, o], n_in, row, n16)
+                for i in range(a, b):
+                    t, j = order[i] // k, order[i] % k
+                    y[t, j, o] = _dot(row, x[t, j if per_rank else 0])
+    return y
+
+
+def expert_qmatmul(ggml_type: str, x: np.ndarray, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """From Python: x (T, n_in) or (T, K, n_in), w (n_expert, n_out, row_bytes) uint8, ids (T, K) -> (T, K, n_out)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    x3 = x.reshape(x.shape[0], -1, x.shape[-1])
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    return expert_matmul(KINDS[ggml_type], x3, np.ascontiguousarray(w, dtype=np.uint8), ids, x.shape[-1])
+
+
+def register_numba():
+    """Register the expert kernel with PyTensor's Numba backend (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from numba.np.ufunc.parallel import _launch_threads
+    from pytensor.link.numba.dispatch import basic as numba_basic
+    from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
+
+    from alchemist.kernels.op import QuantizedExpertMatmul
+
+    @register_funcify_default_op_cache_key(QuantizedExpertMatmul)
+    def numba_funcify_QuantizedExpertMatmul(op, node=None, **kwargs):
+        _launch_threads()  # see numba_kernels.register_numba
+        kind, n_expert, n_out, n_in, row_bytes = KINDS[op.ggml_type], op.n_expert, op.n_out, op.n_in, op.row_bytes
+
+        @numba_basic.numba_njit
+        def quantized_expert_matmul(x, w, ids):
+            if w.shape[0] != n_expert or w.shape[1] != n_out or w.shape[2] != row_bytes or x.shape[-1] != n_in:
+                raise ValueError("QuantizedExpertMatmul: x or w does not have the shape the Op was built for")
+            x3 = np.ascontiguousarray(x).reshape((x.shape[0], -1, n_in))  # (T, 1 or K, n_in)
+            return expert_matmul(kind, x3, np.ascontiguousarray(w), np.ascontiguousarray(ids), n_in)
+
+        return quantized_expert_matmul, _SOURCE_VERSION
+
+    _registered = True
+
+
+_registered = False
+_SOURCE_VERSION = int(hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12], 16)
