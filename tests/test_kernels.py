@@ -40,21 +40,27 @@ SCALE_FIELDS = {
     "Q5_K": (0, 2),
     "Q6_K": (208,),
 }
+# byte offsets of the E8M0 scale bytes (MXFP4, scale 2^(e - 128)): moderate exponents, or the extremes
+E8M0_FIELDS = {"MXFP4": (0,)}
+EXTREME_E8M0 = np.array([0, 1, 2, 3, 100, 127, 128, 150], dtype=np.uint8)
 REFERENCE_TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
 BACKENDS = ("c", "numba", "jax", "mlx")
 EXTREME_F16 = np.array([65504.0, -65504.0, 6.0e-8, -6.0e-8, 6.1e-5, 0.0, -0.0, 1.0, -2.5, 1024.0], dtype=np.float16)
 
 
 def random_blocks(rng, ggml_type, n_out, n_in, scales=None):
-    """Random quant bytes with finite fp16 scales (normal(0, 0.05) unless `scales`, a pool to draw from)."""
+    """Random quant bytes with finite scales (fp16 normal(0, 0.05) or E8M0 2^-10..2^-1, unless `scales`: the extremes)."""
     qk, bs = BLOCK_SIZES[ggml_type]
     blocks = rng.integers(0, 256, size=(n_out, n_in // qk, bs), dtype=np.uint8)
-    for off in SCALE_FIELDS[ggml_type]:
+    for off in SCALE_FIELDS.get(ggml_type, ()):
         if scales is None:
             values = (rng.standard_normal(blocks.shape[:2]) * 0.05).astype(np.float16)
         else:
             values = rng.choice(scales, size=blocks.shape[:2])
         blocks[:, :, off : off + 2] = values.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+    for off in E8M0_FIELDS.get(ggml_type, ()):
+        pool = np.arange(118, 128, dtype=np.uint8) if scales is None else EXTREME_E8M0
+        blocks[:, :, off] = rng.choice(pool, size=blocks.shape[:2])
     return blocks.reshape(n_out, -1)
 
 
@@ -228,7 +234,7 @@ def test_as_blocks_is_a_view():
     assert copied.flags.c_contiguous and copied.flags.writeable and not np.shares_memory(copied, raw)
 
 
-@pytest.mark.parametrize("ggml_type", ("Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K"))
+@pytest.mark.parametrize("ggml_type", ("Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q6_K", "MXFP4"))
 def test_c_rows_of_a_small_batch_equal_single_token_products(compiled, ggml_type):
     """Below the BLAS threshold the C kernel applies the same operations per token, whatever T is (tokens go
     through the kernel in register groups of 4, so T = 2..9 covers full groups and every remainder): batched
@@ -260,7 +266,7 @@ def compiled_embedding():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("ggml_type", ("Q8_0", "Q5_0", "Q4_K", "Q6_K", "Q4_1"))
+@pytest.mark.parametrize("ggml_type", ("Q8_0", "Q5_0", "Q4_K", "Q6_K", "Q4_1", "MXFP4"))
 def test_embedding_is_exact(compiled_embedding, backend, ggml_type):
     """quantized_embedding(w, idx) == gguf-py's dequantize(w)[idx], bit for bit."""
     rng = np.random.default_rng(zlib.crc32(f"emb{backend}{ggml_type}".encode()))

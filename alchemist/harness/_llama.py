@@ -3,7 +3,7 @@
 Everything that touches raw pointers lives here: the quiet log callback, one-time backend init, the
 `ggml_tensor` struct (mirrored from the vendored `ggml/include/ggml.h`), and the few libggml-base
 functions the graph-evaluation callback needs (`ggml_nbytes`, `ggml_get_name`, `ggml_n_dims`,
-`ggml_op_name`, `ggml_backend_tensor_get`).
+`ggml_op_name`, `ggml_backend_tensor_get`), plus ggml's row quantizer and dequantizers for fixtures and tests.
 """
 
 from __future__ import annotations
@@ -151,6 +151,15 @@ class _Ggml:
         self.op_name = self._bind("ggml_op_name", [ctypes.c_int], ctypes.c_char_p)
         self.type_name = self._bind("ggml_type_name", [ctypes.c_int], ctypes.c_char_p)
         self.tensor_get = self._bind("ggml_backend_tensor_get", [p, p, ctypes.c_size_t, ctypes.c_size_t], None)
+        i64 = ctypes.c_int64
+        # ggml_quantize_chunk(type, src, dst, start, nrows, n_per_row, imatrix): llama.cpp's quantizer, any type
+        self.quantize_chunk = self._bind("ggml_quantize_chunk", [ctypes.c_int, p, p, i64, i64, i64, p], ctypes.c_size_t)
+
+    def dequantize_row(self, ggml_type: str):
+        """ggml's dequantize_row_<type>(blocks, float *out, n_values): llama.cpp's own dequantizer."""
+        return self._bind(
+            f"dequantize_row_{ggml_type.lower()}", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+        )
 
     def _bind(self, name, argtypes, restype):
         fn = getattr(self.lib, name)

@@ -4,7 +4,7 @@ ggml-cpu multiplies a weight of type T by first converting each activation row t
 (ggml-cpu.c, type_traits_cpu), then summing integer products block by block, which equals
 dequant(W) · dequant(quant(x)) up to float32 summation order:
 - Q8_0 (blocks of 32, scale max|x|/127 stored as fp16, x·127/max rounded to nearest even: the AVX2
-  quantize_row_q8_0) for Q4_0, Q5_0, Q8_0; Q8_1 (the same values plus block sums) for Q4_1, Q5_1;
+  quantize_row_q8_0) for Q4_0, Q5_0, Q8_0 and MXFP4; Q8_1 (the same values plus block sums) for Q4_1, Q5_1;
 - Q8_K (blocks of 256, float32 scale: quantize_row_q8_K_ref, iscale = -127/max where max is the element of
   largest magnitude) for the K-quants;
 - fp16 for F16 weights.
@@ -23,7 +23,7 @@ from types import ModuleType
 import numpy as np
 import pytensor.tensor as pt
 
-Q8_0_SOURCES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1")
+Q8_0_SOURCES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "MXFP4")
 Q8_K_SOURCES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 

@@ -7,6 +7,13 @@ with the type each tensor actually got. llama.cpp keeps 1-D tensors (norms, bias
 give token_embd / output / attn_v / ffn_down other types, and falls back to a compatible type
 for rows that are not a multiple of the block size. Pass an ftype name ("Q4_K_S", "Q3_K_L") for
 another mixture, or `pure=True` to put every quantizable tensor in the default type.
+MXFP4: llama.cpp's only MXFP4 ftype, MOSTLY_MXFP4_MOE, gives MXFP4 to 3-D expert tensors and Q8_0 to
+everything else; a bare "MXFP4" therefore quantizes pure (every 2-D/3-D weight whose rows are whole
+32-blocks in MXFP4, as `llama-quantize --pure ... MXFP4_MOE` does), "MXFP4_MOE" gives the mixture.
+
+`quantize_array(values, "MXFP4")` quantizes a float array of any rank (a 3-D expert stack too) with
+llama.cpp's own row quantizer (ggml_quantize_chunk), for fixtures written directly; `dequantize_array`
+is llama.cpp's dequantizer, the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from alchemist.harness import _llama
 from alchemist.harness._llama import OracleError
@@ -34,13 +43,17 @@ QTYPE_TO_FTYPE = {
     "Q4_K": "Q4_K_M",
     "Q5_K": "Q5_K_M",
     "Q6_K": "Q6_K",
+    "MXFP4": "MXFP4_MOE",
 }
+# bare types whose ftype's mixture would not use them on 2-D weights: quantized pure
+PURE_QTYPES = frozenset({"MXFP4"})
 FTYPES = (
     "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
     "Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
+    "MXFP4_MOE",
 )  # fmt: skip
 # the types the fixtures are exercised with
-FIXTURE_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+FIXTURE_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "MXFP4")
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,7 @@ def quantize_fixture(
     _llama.init()
     llc = _llama.llc
     ftype = ftype_for(qtype)
+    pure = pure or qtype.upper() in PURE_QTYPES
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise OracleError(f"{src}: no such GGUF file")
@@ -111,3 +125,45 @@ def quantize_fixture(
     facts = read_gguf(dst)
     types = {name: info.ggml_type for name, info in facts.tensors.items()}
     return QuantizeReport(path=dst, qtype=qtype, ftype=ftype, pure=bool(pure), tensor_types=types, seconds=seconds)
+
+
+def _type_code(ggml_type: str) -> int:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return int(GGMLQuantizationType[ggml_type])
+    except KeyError:
+        raise ValueError(f"unknown ggml type {ggml_type!r}") from None
+
+
+def quantize_array(values: np.ndarray, ggml_type: str) -> np.ndarray:
+    """float (..., n) -> uint8 (..., row bytes): each row quantized by llama.cpp's ggml_quantize_chunk (no
+    imatrix), byte for byte what llama_model_quantize writes for a tensor of that type. 3-D expert stacks
+    (n_expert, n_out, n_in) are n_expert * n_out rows, as ggml stores them."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    x = np.ascontiguousarray(values, dtype=np.float32)
+    qk, bs = GGML_QUANT_SIZES[GGMLQuantizationType(_type_code(ggml_type))]
+    n = x.shape[-1]
+    if x.ndim == 0 or n % qk:
+        raise ValueError(f"{ggml_type}: rows of {n} values are not a whole number of {qk}-value blocks")
+    rows = x.size // n if n else 0
+    out = np.empty((*x.shape[:-1], n // qk * bs), dtype=np.uint8)
+    if rows:
+        _llama.ggml().quantize_chunk(_type_code(ggml_type), x.ctypes.data, out.ctypes.data, 0, rows, n, None)
+    return out
+
+
+def dequantize_array(blocks: np.ndarray, ggml_type: str) -> np.ndarray:
+    """uint8 (..., row bytes) -> float32 (..., n) through llama.cpp's dequantize_row_<type>."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    b = np.ascontiguousarray(blocks, dtype=np.uint8)
+    qk, bs = GGML_QUANT_SIZES[GGMLQuantizationType(_type_code(ggml_type))]
+    if b.ndim == 0 or b.shape[-1] % bs:
+        raise ValueError(f"{ggml_type}: rows of {b.shape[-1:]} bytes are not a whole number of {bs}-byte blocks")
+    out = np.empty((*b.shape[:-1], b.shape[-1] // bs * qk), dtype=np.float32)
+    _llama.ggml().dequantize_row(ggml_type)(b.ctypes.data, out.ctypes.data, out.size)
+    return out

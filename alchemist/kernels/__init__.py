@@ -6,7 +6,7 @@
 
 x: symbolic (T, n_in) float32. w_blocks: (n_out, row_bytes) uint8, the tensor's GGUF bytes one row per
 output (`raw.reshape(n_out, -1)`, see `as_blocks`); no repacking. Result: symbolic (T, n_out) float32.
-Types: SUPPORTED_TYPES = Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K. The Ops check at run time that
+Types: SUPPORTED_TYPES = Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4. The Ops check at run time that
 the arrays have the (n_out, n_in) they were built for (on C these are run-time parameters, so one compiled
 module serves every shape of a type).
 
@@ -90,13 +90,14 @@ def quantized_expert_linear(x, w_blocks, ids, ggml_type: str, n_expert: int, n_o
 def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...], copy: bool = True) -> np.ndarray:
     """A tensor's raw GGUF bytes (flat uint8) -> the (n_out, row_bytes) uint8 matrix `quantized_linear` takes.
 
-    shape is numpy order (n_out, n_in). By default the result is a private C-contiguous copy (a numpy
+    shape is numpy order (n_out, n_in); a stack of matrices (n_experts, n_out, n_in) gives
+    (n_experts, n_out, row_bytes). By default the result is a private C-contiguous copy (a numpy
     allocation, which numpy backs with huge pages, and independent of the file's memory map: ~0.1 s for
     250 MB); copy=False returns a view of `raw`.
     """
     *lead, n_in = shape  # (n_out, n_in), or (n_expert, n_out, n_in) for a mixture's experts
     rb = row_bytes(ggml_type, n_in)
-    n_rows = int(np.prod(lead))
+    n_rows = int(np.prod(lead, dtype=np.int64))
     flat = np.asarray(raw).view(np.uint8).reshape(-1)
     if flat.size != n_rows * rb:
         raise ValueError(f"{ggml_type} {tuple(shape)}: {flat.size} bytes, expected {n_rows} rows of {rb}")

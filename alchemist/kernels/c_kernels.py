@@ -4,7 +4,10 @@ Y (T, n_out) = X (T, n_in) @ dequant(W).T, W given as GGUF rows (n_out, row_byte
 
 Every supported block is a set of sub-blocks (16 or 32 weights) with weight = dl * q + mb, q a small
 integer, dl and mb float32 (mb = 0 for the symmetric types; mb = m for Q4_1/Q5_1, -dmin * min for the
-K-quants); dl and mb are computed exactly as gguf-py computes them. A row's dot with x is
+K-quants; for MXFP4 q is the doubled E2M1 value and dl = 2^(e - 128)); dl and mb are computed exactly as
+gguf-py computes them. A format is one struct (QK, BS, SUB, NSUB, HAS_MIN, unpack); `unpack` followed by
+`dot_block` / `dequantize_row` is the per-block decode any other kernel (gathered experts) can reuse.
+A row's dot with x is
 
     sum over sub-blocks of  dl * (sum_j q_j x_j)  +  mb * (sum_j x_j)
 
@@ -368,6 +371,34 @@ struct Q6_K {
                 }
 #endif
         }
+        return q;
+    }
+};
+
+/* MXFP4: one E8M0 exponent byte e, then 32 four-bit E2M1 codes (low nibbles, then high nibbles, as Q4_0).
+   q = the doubled E2M1 value (kvalues_mxfp4), dl = 2^(e - 128) (ggml_e8m0_to_fp32_half): dl * q is exact. */
+static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+struct MXFP4 {
+    enum { QK = 32, BS = 17, SUB = 32, NSUB = 1, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        dl[0] = e8m0_half(b[0]);
+#if AQ_AVX2
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_MXFP4));
+        store32(q, _mm256_shuffle_epi8(table, nibbles_32(b + 1)));
+#else
+        for (int j = 0; j < 16; ++j) {
+            q[j] = KVALUES_MXFP4[b[1 + j] & 0xF];
+            q[j + 16] = KVALUES_MXFP4[b[1 + j] >> 4];
+        }
+#endif
         return q;
     }
 };

@@ -1,8 +1,8 @@
 """GGUF block formats: sizes, and a dequantizer written once for both numpy and PyTensor.
 
 A GGUF weight row of n_in values is n_in / QK consecutive blocks of BS bytes; each block holds QK weights
-as small integers plus fp16 scale(s). Layouts follow gguf-py's `gguf/quants.py` (numpy reference) and
-llama.cpp's `ggml-quants.c`.
+as small integers plus fp16 scale(s) (MXFP4: 4-bit E2M1 codes and one E8M0 exponent byte). Layouts follow
+gguf-py's `gguf/quants.py` (numpy reference) and llama.cpp's `ggml-quants.c`.
 
 `dequantize_blocks(xp, blocks, ggml_type)` maps uint8 blocks (..., n_blocks, BS) to float32 values
 (..., n_blocks * QK) using only reshapes, slices, integer `//` and `%`, products, sums, concatenation
@@ -26,12 +26,23 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
+    "MXFP4": (32, 17),
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(BLOCK_SIZES)
 
 # every fp16 bit pattern (lo byte + 256 * hi byte) as float32: exact, handles subnormals, inf and nan
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+# MXFP4 (OCP microscaling FP4): the E2M1 code of each 4-bit quant, doubled so that it is an integer
+# (ggml-common.h kvalues_mxfp4; bit 3 is the sign), and the block's E8M0 exponent byte e as the float32
+# scale 2^(e - 128) that goes with the doubled codes (ggml-impl.h ggml_e8m0_to_fp32_half; e < 2 are the
+# subnormals 2^-128 and 2^-127). Both exact: a weight is KVALUES_MXFP4[q] * E8M0_HALF_TABLE[e].
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+_E8M0 = np.arange(256, dtype=np.uint32)
+E8M0_HALF_TABLE = (
+    np.where(_E8M0 < 2, np.uint32(0x00200000) << _E8M0, (_E8M0 - 1) << 23).astype(np.uint32).view(np.float32)
+)
 
 
 def row_bytes(ggml_type: str, n_in: int) -> int:
@@ -72,6 +83,10 @@ class _Ops:
 
     def f32(self, a):
         return a.astype("float32")
+
+    def lookup(self, table: np.ndarray, index):
+        """table[index] for a constant numpy table."""
+        return (self.xp.as_tensor(table) if self.symbolic else table)[index]
 
 
 def _bits(ops, a, shifts, width, axis=-2):
@@ -164,6 +179,12 @@ def dequantize_blocks(xp, blocks, ggml_type: str):
         hi = _bits(ops, qh.reshape((*lead, 2, 32)), (0, 2, 4, 6), 2).reshape((*lead, 8, 32))
         q = f32(lo + 16 * hi - 32).reshape((*lead, 16, 16))
         return flat(dl * q)
+
+    if ggml_type == "MXFP4":
+        d = ops.lookup(E8M0_HALF_TABLE, b[..., 0])[..., None]
+        qs = b[..., 1:17]
+        q = ops.concat([qs % 16, qs // 16])  # like Q4_0: element j < 16 is the low nibble of byte j
+        return flat(d * f32(ops.lookup(KVALUES_MXFP4, q)))
 
     raise NotImplementedError(ggml_type)
 

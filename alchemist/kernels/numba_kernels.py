@@ -21,8 +21,8 @@ from alchemist.kernels import formats
 
 KINDS = {name: i for i, name in enumerate(formats.SUPPORTED_TYPES)}
 _QK = np.array([formats.BLOCK_SIZES[t][0] for t in formats.SUPPORTED_TYPES], dtype=np.int64)
-K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q2_K, K_Q3_K, K_Q4_K, K_Q5_K, K_Q6_K = (
-    KINDS[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q2_K, K_Q3_K, K_Q4_K, K_Q5_K, K_Q6_K, K_MXFP4 = (
+    KINDS[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 
 _jit = numba.njit(cache=True, fastmath=False)
@@ -32,6 +32,8 @@ _jit_inline = numba.njit(cache=True, fastmath=False, inline="always")
 
 
 _F16 = formats.F16_TABLE  # 256 KB, embedded as a constant (a table lookup is ~3x faster than ldexp here)
+_E8M0_HALF = formats.E8M0_HALF_TABLE  # MXFP4 block scale byte -> 2^(e - 128), exact
+_KVALUES_MXFP4 = formats.KVALUES_MXFP4.astype(np.float32)  # MXFP4 4-bit code -> doubled E2M1 value
 
 
 @_jit_inline
@@ -201,6 +203,17 @@ def _dq_q6_k(kind, r, nb, y, n16):
                         lo = (np.int64(r[lo0 + l]) >> sh_lo) & 0xF
                         hi = (np.int64(r[hi0 + l]) >> sh_hi) & 3
                         y[o0 + l] = dl * np.float32((lo | (hi << 4)) - 32)
+
+
+@_jit_inline
+def _dq_mxfp4(kind, r, nb, y, n16):
+    for b in range(nb):
+        p, o = 17 * b, 32 * b
+        d = _E8M0_HALF[r[p]]
+        for j in range(n16):
+            v = np.int64(r[p + 1 + j])
+            y[o + j] = _KVALUES_MXFP4[v & 0xF] * d
+            y[o + j + 16] = _KVALUES_MXFP4[v >> 4] * d
 
 
 @numba.njit(cache=True, fastmath={"reassoc"})
@@ -472,6 +485,30 @@ def qmatmul_q6_k(x, w):
     return y
 
 
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_mxfp4(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_mxfp4(K_MXFP4, w[o0 + r], n_in // 32, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_mxfp4(K_MXFP4, w[o], n_in // 32, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
 DRIVERS = {
     "Q4_0": qmatmul_q4_0,
     "Q4_1": qmatmul_q4_1,
@@ -483,6 +520,7 @@ DRIVERS = {
     "Q4_K": qmatmul_q4_k,
     "Q5_K": qmatmul_q5_k,
     "Q6_K": qmatmul_q6_k,
+    "MXFP4": qmatmul_mxfp4,
 }
 
 
@@ -510,6 +548,8 @@ def embed(kind, w, idx, n_in):
             _dq_q3_k(kind, row, n_in // 256, out, n16)
         elif kind == K_Q4_K or kind == K_Q5_K:
             _dq_q4_k_q5_k(kind, row, n_in // 256, out, n16)
+        elif kind == K_MXFP4:
+            _dq_mxfp4(kind, row, n_in // 32, out, n16)
         else:
             _dq_q6_k(kind, row, n_in // 256, out, n16)
     return y
