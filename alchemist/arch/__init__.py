@@ -12,6 +12,7 @@ from alchemist.arch import (
     gemma2,
     gemma3,
     gpt2,
+    gpt_oss,
     granite,
     internlm2,
     llama,
@@ -50,6 +51,7 @@ FAMILY_MODULES = (
     command_r,
     cohere2,
     qwen3moe,
+    gpt_oss,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

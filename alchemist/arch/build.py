@@ -279,6 +279,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             down_bias=present("ffn_down.bias"),
             gate_bias=present("ffn_gate.bias"),
         )
+    post_norm = block_norm("post_attention_norm.weight")
     layers = []
     for il in range(n_layer):
         rotates = family.rope_on_layer(hp, il, sliding[il]) and family.rope is not RopeStyle.NONE
@@ -311,6 +312,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             qk_norm_scope=qk_scope,
             logit_softcap=family.attn_softcap(hp),
             prescale_queries=family.prescale_queries,
+            sinks=present("attn_sinks.weight"),
         )
         layers.append(
             LayerSpec(
@@ -319,8 +321,8 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                 attention=attention,
                 mlp=mlp,
                 attn_norm=block_norm("attn_norm.weight"),
-                ffn_norm=block_norm("ffn_norm.weight"),
-                attn_post_norm=block_norm("post_attention_norm.weight"),
+                ffn_norm=block_norm(family.ffn_norm),
+                attn_post_norm=None if family.ffn_norm == "post_attention_norm.weight" else post_norm,
                 ffn_post_norm=block_norm("post_ffw_norm.weight"),
                 residual_scale=family.residual_scale(hp),
             )

@@ -183,6 +183,7 @@ class Family:
     # (hp, tensor names present in layer 0) -> wiring; stablelm is parallel when ffn_norm is absent
     wiring_for: Callable[[Hparams, set[str]], Wiring] | None = None
     rope_scalings: tuple[str, ...] = ("none", "linear", "yarn")
+    ffn_norm: str = "ffn_norm.weight"  # the pre-FFN norm's tensor (gpt-oss: post_attention_norm.weight)
     moe: ExpertRouting = ExpertRouting()
     fixture: FixtureSpec = FixtureSpec()
     notes: tuple[str, ...] = field(default=())
