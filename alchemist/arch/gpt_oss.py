@@ -66,9 +66,11 @@ FAMILY = Family(
     ),
     fixture=FixtureSpec(
         optional=("blk.{il}.attn_q.bias", "blk.{il}.attn_k.bias", "blk.{il}.attn_v.bias"),
-        # 4 experts, 2 per token; layer 0 slides over a window the test prompt crosses; YaRN as real files have
+        # 8 experts, 2 per token (with 4, one token of the test prompt has a near-tie for its second expert that
+        # llama.cpp's activation rounding on Q4_K flips); layer 0 slides over a window the test prompt crosses;
+        # YaRN as real files have it
         metadata=(
-            ("expert_count", 4),
+            ("expert_count", 8),
             ("expert_used_count", 2),
             ("expert_feed_forward_length", 256),
             ("attention.sliding_window", 8),
