@@ -123,7 +123,7 @@ def test_swiglu_oai_matches_numpy_with_clamps_hit(oss, backend):
 # ---------------------------------------------------------------------------------------------------
 def test_gpt_oss_ir(oss, tiny_gguf):
     from alchemist.arch import build_model_ir
-    from alchemist.errors import UnsupportedModelError
+    from alchemist.errors import GGUFError, UnsupportedModelError
     from alchemist.gguf_io import read_gguf
     from alchemist.ir import Activation, Gating, RopeScaling
 
@@ -141,6 +141,9 @@ def test_gpt_oss_ir(oss, tiny_gguf):
     assert ir.to_dict()["layers"][0]["attention"]["sinks"] == "attn_sinks.weight"
     # an older family's IR has no "sinks" key: its hash (and its module) are unchanged
     assert "sinks" not in build_model_ir(read_gguf(tiny_gguf("llama"))).to_dict()["layers"][0]["attention"]
+    meta = {k: v for k, v in facts.metadata.items() if k != "gpt-oss.attention.sliding_window"}
+    with pytest.raises(GGUFError, match=r"gpt-oss\.attention\.sliding_window.*required"):  # as llama.cpp
+        build_model_ir(dataclasses.replace(facts, metadata=meta))
     for name in ("output.weight", "blk.1.attn_sinks.weight"):  # never tied; sinks required
         tensors = {k: v for k, v in facts.tensors.items() if k != name}
         with pytest.raises(UnsupportedModelError, match=name.replace(".", r"\.")):

@@ -13,7 +13,7 @@ gate, up and down, and gates with swiglu_oai. The output is never tied.
 import dataclasses
 import math
 
-from alchemist.arch.family import ExpertRouting, Family, FixtureSpec, every_nth_dense
+from alchemist.arch.family import REQUIRED, ExpertRouting, Family, FixtureSpec, every_nth_dense
 from alchemist.arch.table import (
     ATTN_NORM,
     ATTN_OUT,
@@ -57,6 +57,7 @@ FAMILY = Family(
     activation=Activation.SWIGLU_OAI,
     score_scale=_score_scale,
     sliding_layers=every_nth_dense(2),
+    default_window=REQUIRED,  # llama.cpp requires attention.sliding_window
     swa_rope=lambda hp, base, scale: (hp.float("rope.freq_base_swa", default=base, positive=True), scale),
     ffn_norm="post_attention_norm.weight",
     moe=ExpertRouting(
