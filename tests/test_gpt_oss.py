@@ -118,6 +118,31 @@ def test_swiglu_oai_matches_numpy_with_clamps_hit(oss, backend):
     assert got[0, 3] == pytest.approx(-30 / (1 + np.exp(1.702 * 30)) * -6, rel=1e-5)
 
 
+@pytest.mark.parametrize("backend", ("c", "numba"))
+def test_mxfp4_expert_kernel(backend):
+    """The gathered-experts kernel on MXFP4 stacks (gpt-oss's experts) against dequantize-then-einsum, for the
+    shared input of gate/up (T, n_in) and the per-rank input of down (T, K, n_in)."""
+    pytest.importorskip({"c": "pytensor", "numba": "numba"}[backend])
+    from test_kernels import random_blocks
+
+    from alchemist.kernels import quantized_expert_linear
+    from alchemist.kernels.formats import reference_dequantize
+
+    rng = np.random.default_rng(3)
+    n_expert, n_out, n_in, k, n_tok = 4, 24, 96, 2, 5
+    w = np.stack([random_blocks(rng, "MXFP4", n_out, n_in) for _ in range(n_expert)])
+    dense = np.stack([reference_dequantize(b, "MXFP4") for b in w]).astype(np.float64)
+    ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n_tok)]).astype(np.int64)
+    ws, idv = pt.tensor3("w", dtype="uint8", shape=w.shape), pt.matrix("ids", dtype="int64")
+    for shape, spec in (((n_tok, n_in), "ti,tkoi->tko"), ((n_tok, k, n_in), "tki,tkoi->tko")):
+        x = rng.standard_normal(shape).astype(np.float32)
+        xs = pt.tensor("x", dtype="float32", shape=(None,) * (len(shape) - 1) + (n_in,))
+        y = quantized_expert_linear(xs, ws, idv, "MXFP4", n_expert, n_out, n_in)
+        got = pytensor.function([xs, ws, idv], y, mode=get_mode(backend))(x, w, ids)
+        want = np.einsum(spec, x.astype(np.float64), dense[ids])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 # ---------------------------------------------------------------------------------------------------
 # the family's IR
 # ---------------------------------------------------------------------------------------------------
