@@ -94,7 +94,7 @@ def test_attention_sinks_match_numpy(sink_attention, window):
 
 
 def swiglu_oai_reference(gate, up):
-    """ggml_compute_forward_swiglu_oai_f32: x = min(g, 7), y = clamp(u, -7, 7), x / (1 + exp(alpha · -x)) · (y + 1)."""
+    """ggml_compute_forward_swiglu_oai_f32: x = min(g, 7), y = clamp(u, -7, 7), x / (1 + exp(alpha · -x)) · (y+1)."""
     x = np.minimum(gate, np.float32(7.0))
     y = np.clip(up, np.float32(-7.0), np.float32(7.0))
     return (x / (np.float32(1.0) + np.exp(np.float32(1.702) * -x))) * (y + np.float32(1.0))
