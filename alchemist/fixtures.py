@@ -186,6 +186,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
             return rng.uniform(1.0, 4.0, shape).astype(np.float32)
         if role == "conv":  # a depthwise filter (channels, taps)
             return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        if role == "sinks":  # logits of the size of the scores, so that the sink takes a real share
+            return (1.0 + rng.standard_normal(shape)).astype(np.float32)
         raise ValueError(f"{arch} fixture: no values for role {role!r} ({name})")
 
     alternatives = list(dict.fromkeys(t.alternative for t in family.tensors if t.alternative))

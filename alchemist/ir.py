@@ -38,6 +38,7 @@ class RopeScaling(str, Enum):
 class Activation(str, Enum):
     SILU = "silu"
     GELU_TANH = "gelu_tanh"  # ggml_gelu: the tanh approximation
+    SWIGLU_OAI = "swiglu_oai"  # gpt-oss, gated only: min(g, 7) · sigmoid(1.702 · min(g, 7)) · (clip(u, ±7) + 1)
 
 
 class NormKind(str, Enum):
@@ -80,7 +81,8 @@ class TensorBinding:
     offset: int  # within the GGUF data section
     nbytes: int
     # "linear" (y = x @ W.T, W is (n_out, n_in)), "embedding" (rows read by token id; also the tied
-    # output projection), "position_embedding" (rows read by position), "norm", "bias", "rope_factors"
+    # output projection), "position_embedding" (rows read by position), "norm", "bias", "rope_factors",
+    # "experts" (3-D expert stacks), "sinks" (attention sink logits, one per query head)
     role: str
     # True when alchemist's kernels can use the tensor in its GGUF block format (a quantized matrix of a
     # type alchemist.kernels supports, read by the graph only as a projection or an embedding)
@@ -139,6 +141,8 @@ class AttentionSpec:
     qk_norm_scope: QKNormScope = QKNormScope.HEAD
     logit_softcap: float = 0.0  # scores = cap · tanh(scores / cap) before the mask (gemma2)
     prescale_queries: bool = False  # q · score_scale after RoPE, then unscaled q·k (phi3 names that q "Qcur")
+    # attn_sinks.weight (n_head,): one more logit per query head in the softmax, unscaled; it adds no value (gpt-oss)
+    sinks: str | None = field(default=None, metadata=NEW_FIELD)
 
     @property
     def group_size(self) -> int:

@@ -31,6 +31,8 @@ from alchemist.runtime.engine import Engine  # noqa: E402
 # tests/test_kernels.py's job, and test_kernels_path below runs Q4_K through them). JAX and MLX, and the other
 # weight types, run on the four llama-like families; `alchemist families --validate` runs the whole matrix.
 FAMILY_TYPES = ("F32", "Q8_0", "Q4_K")
+# a case's own quantized files on top of those, as its real files ship (gpt-oss: experts MXFP4, the rest Q8_0)
+CASE_TYPES = {"gpt-oss": ("MXFP4_MOE",)}
 PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
 CONTEXT = 64
 OTHER_TYPES = tuple(t for t in ("F16", *FIXTURE_QTYPES) if t not in FAMILY_TYPES)
@@ -76,7 +78,7 @@ def _validate_types(fixture_files, shared_engines, case, backend, wtypes, n_gen_
 
 
 def _check_family(fixture_files, shared_engines, case, backend, n_greedy):
-    results = _validate_types(fixture_files, shared_engines, case, backend, FAMILY_TYPES,
+    results = _validate_types(fixture_files, shared_engines, case, backend, FAMILY_TYPES + CASE_TYPES.get(case, ()),
                               lambda wtype: n_greedy if wtype == "F32" else 0)
     # the exact fixture really was compared layer by layer (every layer's output included)
     layers = results["F32"]["layers"]

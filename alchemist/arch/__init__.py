@@ -12,6 +12,7 @@ from alchemist.arch import (
     gemma2,
     gemma3,
     gpt2,
+    gpt_oss,
     granite,
     internlm2,
     lfm2,
@@ -52,6 +53,7 @@ FAMILY_MODULES = (
     cohere2,
     lfm2,
     qwen3moe,
+    gpt_oss,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

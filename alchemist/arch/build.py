@@ -326,6 +326,11 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             conv="shortconv.conv.weight",
             out_proj="shortconv.out_proj.weight",
         )
+    ffn_norm = block_norm(family.ffn_norm)
+    # gpt-oss's post_attention_norm is its pre-FFN norm, not a norm on the attention output
+    attn_post_norm = (
+        None if family.ffn_norm == "post_attention_norm.weight" else block_norm("post_attention_norm.weight")
+    )
     layers = []
     for il in range(n_layer):
         if mixers and mixers[il] == "conv":
@@ -336,8 +341,8 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                     attention=None,
                     mlp=mlp,
                     attn_norm=block_norm("attn_norm.weight"),
-                    ffn_norm=block_norm("ffn_norm.weight"),
-                    attn_post_norm=block_norm("post_attention_norm.weight"),
+                    ffn_norm=ffn_norm,
+                    attn_post_norm=attn_post_norm,
                     ffn_post_norm=block_norm("post_ffw_norm.weight"),
                     residual_scale=family.residual_scale(hp),
                     conv=conv,
@@ -374,6 +379,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             qk_norm_scope=qk_scope,
             logit_softcap=family.attn_softcap(hp),
             prescale_queries=family.prescale_queries,
+            sinks=present("attn_sinks.weight"),
         )
         layers.append(
             LayerSpec(
@@ -382,8 +388,8 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                 attention=attention,
                 mlp=mlp,
                 attn_norm=block_norm("attn_norm.weight"),
-                ffn_norm=block_norm("ffn_norm.weight"),
-                attn_post_norm=block_norm("post_attention_norm.weight"),
+                ffn_norm=ffn_norm,
+                attn_post_norm=attn_post_norm,
                 ffn_post_norm=block_norm("post_ffw_norm.weight"),
                 residual_scale=family.residual_scale(hp),
             )

@@ -202,6 +202,7 @@ class Family:
     # (alchemist's tap name, llama.cpp's name for that tensor) where src/models/<family>.cpp names its
     # intermediates its own way; a name llama.cpp uses for another tensor must be mapped away from it
     tap_names: tuple[tuple[str, str], ...] = ()
+    ffn_norm: str = "ffn_norm.weight"  # the pre-FFN norm's tensor (gpt-oss: post_attention_norm.weight)
     moe: ExpertRouting = ExpertRouting()
     fixture: FixtureSpec = FixtureSpec()
     notes: tuple[str, ...] = field(default=())

@@ -185,3 +185,5 @@ FFN_MOE_BIAS = (  # one bias row per expert
     T(_blk("ffn_up_exps.bias"), "bias", "n_expert", "n_ff_exp"),
     T(_blk("ffn_down_exps.bias"), "bias", "n_expert", "n_embd"),
 )
+# attention sinks (gpt-oss): one logit per query head, F32
+ATTN_SINKS = (T(_blk("attn_sinks.weight"), "sinks", "n_head"),)

@@ -128,6 +128,8 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("a mixture of experts without a router (or a router outside one)")
     if mlp.kind is not MLPKind.MOE and (mlp.kind is MLPKind.GATED) != bool(mlp.gate) or (mlp.gate_bias and not mlp.gate):
         problems.append(f"a {mlp.kind.value} MLP with{'out' if not mlp.gate else ''} a gate tensor")
+    if mlp.activation is Activation.SWIGLU_OAI and not (mlp.kind is MLPKind.MOE and mlp.gate):
+        problems.append("swiglu_oai outside a gated mixture of experts")
     if first.wiring is Wiring.PARALLEL and (first.attn_norm is None or first.attn_post_norm or first.ffn_post_norm):
         problems.append("a parallel block needs an input norm and has no post-norms")
     if att.group_size * att.n_kv_head != att.n_head:
@@ -274,7 +276,7 @@ def template_context(ir: ModelIR) -> dict:
     )
 
 
-ACTIVATION_FUNCTIONS = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu"}
+ACTIVATION_FUNCTIONS = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu", Activation.SWIGLU_OAI: "swiglu_oai"}
 
 
 def render_module(ir: ModelIR) -> str:

@@ -53,6 +53,8 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append(f"q/k {att.q_norm.kind.value} norm {scope}")
     if att.logit_softcap:
         out.append("attention softcap")
+    if att.sinks:
+        out.append("attention sinks")
     if styles == {RopeStyle.NONE}:
         out.append("no RoPE")
     else:

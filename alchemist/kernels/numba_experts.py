@@ -25,6 +25,7 @@ from alchemist.kernels.numba_kernels import (
     K_Q5_1,
     K_Q5_K,
     K_Q8_0,
+    K_MXFP4,
     KINDS,
     _chunks,
     _dot,
@@ -35,6 +36,7 @@ from alchemist.kernels.numba_kernels import (
     _dq_q4_k_q5_k,
     _dq_q6_k,
     _dq_q8_0,
+    _dq_mxfp4,
 )
 
 
@@ -52,6 +54,8 @@ def _dq_row(kind, row, n_in, out, n16):
         _dq_q3_k(kind, row, n_in // 256, out, n16)
     elif kind == K_Q4_K or kind == K_Q5_K:
         _dq_q4_k_q5_k(kind, row, n_in // 256, out, n16)
+    elif kind == K_MXFP4:
+        _dq_mxfp4(kind, row, n_in // 32, out, n16)
     else:
         _dq_q6_k(kind, row, n_in // 256, out, n16)
 
