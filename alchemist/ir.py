@@ -142,7 +142,7 @@ class AttentionSpec:
     logit_softcap: float = 0.0  # scores = cap · tanh(scores / cap) before the mask (gemma2)
     prescale_queries: bool = False  # q · score_scale after RoPE, then unscaled q·k (phi3 names that q "Qcur")
     # attn_sinks.weight (n_head,): one more logit per query head in the softmax, unscaled; it adds no value (gpt-oss)
-    sinks: str | None = field(default=None, metadata=NEW_FIELD)
+    sinks: str | None = field(default=None, metadata=LATER)
 
     @property
     def group_size(self) -> int:

@@ -60,7 +60,7 @@ FAMILY = Family(
     default_window=REQUIRED,  # llama.cpp requires attention.sliding_window
     swa_rope=lambda hp, base, scale: (hp.float("rope.freq_base_swa", default=base, positive=True), scale),
     ffn_norm="post_attention_norm.weight",
-    tap_names=(("ffn_norm", "attn_post_norm"),),  # openai-moe.cpp names the pre-MoE norm's output so
+    tap_names=(("ffn_norm", "attn_post_norm"),),  # openai-moe.cpp's name for the pre-MoE norm's output
     moe=ExpertRouting(
         gating=Gating.SOFTMAX_WEIGHT,
         normalize=False,
