@@ -70,7 +70,8 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append("sliding window")
     if mlp.router:
         r = mlp.router
-        out.append(f"mixture of experts ({r.n_expert} experts, top-{r.n_expert_used}, {r.gating.value} router)")
+        act = "" if mlp.activation.value == "silu" else f", {mlp.activation.value}"
+        out.append(f"mixture of experts ({r.n_expert} experts, top-{r.n_expert_used}, {r.gating.value} router{act})")
     elif mlp.kind is not MLPKind.GATED or mlp.activation.value != "silu":
         out.append(f"{mlp.kind.value.replace('_', ' ')} {mlp.activation.value} MLP")
     if mlp.up_bias:
