@@ -128,6 +128,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         n_ff=cfg.n_ff,
         rope_dim=cfg.rope_dim or spec.rope_dim or cfg.head_dim,
         n_ctx=cfg.n_ctx,
+        n_layer=n_layer,
     )
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
@@ -163,6 +164,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
             return (embd / np.sqrt(d) * 4.0 + 0.5 * rng.standard_normal(shape) / np.sqrt(d)).astype(wdtype)
         if role == "linear":
             return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(wdtype)
+        if role == "embedding":  # another table read by token (gemma3n's per-layer embeddings)
+            return (rng.standard_normal(shape) * spec.embedding_std).astype(wdtype)
         if role == "position_embedding":
             return (0.1 * rng.standard_normal(shape)).astype(wdtype)
         if role == "norm":
@@ -174,12 +177,17 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         raise ValueError(f"{arch} fixture: no values for role {role!r} ({name})")
 
     wanted = [t for t in family.tensors if t.required or t.name in spec.optional]
+    scales = dict(spec.scales)
+
+    def scaled(t, name: str) -> np.ndarray:
+        v = values(name, t.role, dims.resolve(t.shape))
+        return (v * scales[t.name]).astype(v.dtype) if t.name in scales else v
+
     for t in (t for t in wanted if not t.per_layer):
-        w.add_tensor(t.name, values(t.name, t.role, dims.resolve(t.shape)))
+        w.add_tensor(t.name, scaled(t, t.name))
     for il in range(n_layer):
         for t in (t for t in wanted if t.per_layer):
-            name = t.name.format(il=il)
-            w.add_tensor(name, values(name, t.role, dims.resolve(t.shape)))
+            w.add_tensor(t.name.format(il=il), scaled(t, t.name.format(il=il)))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -13,8 +13,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+
+# A field added after an IR's JSON (and so every generated module's IR hash) was fixed: left out of to_dict()
+# while it holds its default, so IRs that do not use it hash as before.
+OMIT_DEFAULT = {"omit_default": True}
 
 
 class RopeStyle(str, Enum):
@@ -50,6 +54,7 @@ class MLPKind(str, Enum):
 class Wiring(str, Enum):
     SEQUENTIAL = "sequential"  # x += attn(norm(x)); x += mlp(norm(x)); each branch optionally post-normed
     PARALLEL = "parallel"  # x += attn(norm(x)) + mlp(norm(x)): both branches read the same residual
+    ALTUP = "altup"  # gemma3n: N_ALTUP residual streams, predicted and corrected around one active stream
 
 
 class QKNormScope(str, Enum):
@@ -72,6 +77,8 @@ class TensorBinding:
     # True when alchemist's kernels can use the tensor in its GGUF block format (a quantized matrix of a
     # type alchemist.kernels supports, read by the graph only as a projection or an embedding)
     kernel: bool = False
+    # False for a tensor llama.cpp loads but never applies (gemma3n's K/V projections on KV-sharing layers)
+    read: bool = field(default=True, metadata=OMIT_DEFAULT)
 
     @property
     def quantized(self) -> bool:
@@ -126,6 +133,10 @@ class AttentionSpec:
     qk_norm_scope: QKNormScope = QKNormScope.HEAD
     logit_softcap: float = 0.0  # scores = cap · tanh(scores / cap) before the mask (gemma2)
     prescale_queries: bool = False  # q · score_scale after RoPE, then unscaled q·k (phi3 names that q "Qcur")
+    # the layer whose keys and values this layer attends to: None, its own (the classic block); its own index, a
+    # layer that writes its KV cache; an earlier one, a KV-sharing layer that computes only queries (gemma3n)
+    kv_layer: int | None = field(default=None, metadata=OMIT_DEFAULT)
+    v_norm: NormSpec | None = field(default=None, metadata=OMIT_DEFAULT)  # normalizes values (gemma3n: no weight)
 
     @property
     def group_size(self) -> int:
@@ -143,6 +154,36 @@ class MLPSpec:
     up_bias: str | None = None
     down_bias: str | None = None
     gate_bias: str | None = None
+    # activation sparsity (gemma3n): gate <- relu(gate - (mean + sparsity_std · std)) per token before the
+    # activation, std with n - 1; 0: dense
+    sparsity_std: float = field(default=0.0, metadata=OMIT_DEFAULT)
+
+
+@dataclass(frozen=True)
+class LaurelSpec:
+    """LAuReL (gemma3n): a low-rank branch beside attention, h + norm(right(left(h))), joined with the attention
+    output as (attention + laurel) · join_scale."""
+
+    left: str  # laurel_l.weight (rank, n_embd)
+    right: str  # laurel_r.weight (n_embd, rank)
+    post_norm: NormSpec
+    join_scale: float
+
+
+@dataclass(frozen=True)
+class AltUpLayerSpec:
+    """One layer's AltUp tensors (gemma3n): the router that weighs the streams, the predict and correct
+    coefficients, and the gated path that adds the layer's per-layer input to the non-active streams."""
+
+    router: str  # altup_router.weight (n_altup, n_embd)
+    router_norm: NormSpec
+    router_scale: float  # multiplies the normed router input (1 / n_embd)
+    predict_coef: str  # altup_predict_coef.weight (n_altup², n_altup)
+    correct_coef: str  # altup_correct_coef.weight (n_altup, n_altup)
+    correct_scale: str  # altup_correct_scale.weight (n_embd,): scales the corrected active stream
+    inp_gate: str  # per-layer input gate (width, n_embd)
+    proj: str  # per-layer input projection back to the embedding (n_embd, width)
+    post_norm: NormSpec
 
 
 @dataclass(frozen=True)
@@ -156,6 +197,8 @@ class LayerSpec:
     attn_post_norm: NormSpec | None = None  # on the attention output, before the residual add
     ffn_post_norm: NormSpec | None = None
     residual_scale: float = 1.0  # multiplies each branch before the residual add (granite)
+    altup: AltUpLayerSpec | None = field(default=None, metadata=OMIT_DEFAULT)  # with Wiring.ALTUP
+    laurel: LaurelSpec | None = field(default=None, metadata=OMIT_DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -163,6 +206,32 @@ class EmbeddingSpec:
     weight: str  # token_embd.weight
     scale: float = 1.0  # gemma: sqrt(n_embd); granite: embedding_scale
     positions: str | None = None  # learned absolute position embedding (gpt2)
+
+
+@dataclass(frozen=True)
+class PerLayerInputSpec:
+    """gemma3n's per-layer inputs: for every layer a vector of `width` from the token (a row of token_embd,
+    n_layer · width wide, times token_scale) and from the scaled embedding (model_proj · x · proj_scale, RMS-normed
+    per layer), summed and times sum_scale."""
+
+    token_embd: str  # per_layer_token_embd.weight (n_vocab, n_layer · width), read by token
+    model_proj: str  # per_layer_model_proj.weight (n_layer · width, n_embd)
+    proj_norm: NormSpec  # per_layer_proj_norm.weight (width,), shared by every layer
+    width: int
+    token_scale: float
+    proj_scale: float
+    sum_scale: float
+
+
+@dataclass(frozen=True)
+class AltUpSpec:
+    """AltUp (gemma3n): the embedding widened into n_streams residual streams (stream 0 active) by `proj`,
+    each rescaled to the embedding's L2 magnitude, and merged back after the last layer by `unembd_proj`."""
+
+    n_streams: int
+    proj: str  # altup_proj.weight (n_streams - 1, n_embd, n_embd)
+    unembd_proj: str  # altup_unembd_proj.weight (n_streams - 1, n_embd, n_embd)
+    per_layer_input: PerLayerInputSpec
 
 
 @dataclass(frozen=True)
@@ -194,6 +263,21 @@ class ModelIR:
     layers: tuple[LayerSpec, ...]
     output: OutputSpec
     tensors: tuple[TensorBinding, ...]
+    altup: AltUpSpec | None = field(default=None, metadata=OMIT_DEFAULT)
+
+    @property
+    def kv_cache_layers(self) -> tuple[int, ...]:
+        """The layers that own a KV cache, in order: every layer, except those that read another layer's."""
+        return tuple(lay.index for lay in self.layers if lay.attention.kv_layer in (None, lay.index))
+
+    @property
+    def kv_cache_of(self) -> tuple[int, ...]:
+        """Per layer: the index (among kv_cache_layers) of the KV cache its attention reads."""
+        owners = self.kv_cache_layers
+        return tuple(
+            owners.index(lay.index if lay.attention.kv_layer is None else lay.attention.kv_layer)
+            for lay in self.layers
+        )
 
     def tensor(self, name: str) -> TensorBinding:
         for t in self.tensors:
@@ -202,7 +286,7 @@ class ModelIR:
         raise KeyError(name)
 
     def to_dict(self) -> dict:
-        return _jsonable(dataclasses.asdict(self))
+        return _jsonable(_plain(self))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -211,6 +295,21 @@ class ModelIR:
         """sha256 of the canonical JSON: the generated module records it, the auditor re-checks it."""
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _plain(obj):
+    """dataclasses.asdict, leaving out OMIT_DEFAULT fields that hold their default."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {
+            f.name: _plain(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if not (f.metadata.get("omit_default") and getattr(obj, f.name) == f.default)
+        }
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
 
 
 def _jsonable(obj):

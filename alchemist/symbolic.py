@@ -45,6 +45,8 @@ def _token_vector(model, ids) -> Variable:
 
 def _forward(model, tokens, output_rows=None):
     """forward() over a zero cache of exactly the tokens' length; returns the logits expression."""
+    from alchemist.runtime.engine import n_kv_caches
+
     module = model.module
     n = tokens.type.shape[0]
     cache = [
@@ -52,7 +54,7 @@ def _forward(model, tokens, output_rows=None):
             pt.zeros((n, module.N_KV_HEAD, module.HEAD_DIM), dtype="float32"),
             pt.zeros((n, module.N_KV_HEAD, module.HEAD_DIM), dtype="float32"),
         )
-        for _ in range(module.N_LAYER)
+        for _ in range(n_kv_caches(module))
     ]
     start = pt.constant(np.int64(0), name="start_pos")
     logits, _ = module.forward(model.engine.weights, tokens, start, cache, output_rows=output_rows)

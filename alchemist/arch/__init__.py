@@ -11,6 +11,7 @@ from alchemist.arch import (
     gemma,
     gemma2,
     gemma3,
+    gemma3n,
     gpt2,
     granite,
     internlm2,
@@ -48,6 +49,7 @@ FAMILY_MODULES = (
     exaone4,
     command_r,
     cohere2,
+    gemma3n,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

@@ -64,6 +64,7 @@ def read_dims(facts: GGUFFacts, hp: Hparams) -> Dims:
         n_ff=hp.int("feed_forward_length", minimum=1),
         rope_dim=rope_dim,
         n_ctx=hp.int("context_length", minimum=1),
+        n_layer=hp.int("block_count", minimum=1),
     )
 
 
@@ -254,7 +255,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         )
 
     model_name = facts.metadata.get("general.name", "")
-    return ModelIR(
+    ir = ModelIR(
         architecture=family.name,
         model_name=model_name if isinstance(model_name, str) else "",
         source_file=facts.file_name,
@@ -281,3 +282,4 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         # GGUF file order: the order the loader reads the memory map in
         tensors=tuple(bindings[n] for n in facts.tensors),
     )
+    return family.components(hp, ir) if family.components else ir

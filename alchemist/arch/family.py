@@ -18,7 +18,7 @@ import numpy as np
 from alchemist.arch.table import TensorSpec
 from alchemist.errors import GGUFError, UnsupportedModelError
 from alchemist.gguf_io import GGUFFacts
-from alchemist.ir import Activation, NormKind, RopeStyle, Wiring
+from alchemist.ir import Activation, ModelIR, NormKind, RopeStyle, Wiring
 
 REQUIRED = object()
 
@@ -134,6 +134,8 @@ class FixtureSpec:
     embedding_std: float = 1.0  # spread of the random token embedding
     n_layer: int = 2  # more when the family's layers differ by index (e.g. RoPE on 3 of every 4)
     rope_dim: int | None = None  # partial rotary: fewer than the head's 64 dims
+    # (table name, factor): multiplies the random values of a tensor (e.g. router weights that would be ~0)
+    scales: tuple[tuple[str, float], ...] = ()
     # other shapes of the same family worth their own fixture: (name, FixtureSpec), written as "<family>:<name>"
     variants: tuple[tuple[str, "FixtureSpec"], ...] = ()
 
@@ -165,5 +167,7 @@ class Family:
     # (hp, tensor names present in layer 0) -> wiring; stablelm is parallel when ffn_norm is absent
     wiring_for: Callable[[Hparams, set[str]], Wiring] | None = None
     rope_scalings: tuple[str, ...] = ("none", "linear", "yarn")
+    # (hp, ir) -> ir: components beyond the classic block, added to what build_ir made (gemma3n's AltUp)
+    components: Callable[[Hparams, ModelIR], ModelIR] | None = None
     fixture: FixtureSpec = FixtureSpec()
     notes: tuple[str, ...] = field(default=())

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LAYER_PREFIX = "blk.{il}."
+ALTUP_STREAMS, PER_LAYER_WIDTH, LAUREL_RANK = 4, 256, 64  # llama_hparams: n_altup, n_embd_altup, laurel_rank
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Dims:
     n_ff: int
     rope_dim: int
     n_ctx: int
+    n_layer: int = 0
 
     def resolve(self, shape: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.size(name) for name in shape)
@@ -59,6 +61,13 @@ class Dims:
             "n_qkv": (self.n_head + 2 * self.n_kv_head) * self.head_dim,
             "n_ff2": 2 * self.n_ff,
             "rope_half": self.rope_dim // 2,
+            # gemma3n's sizes, constants of llama_hparams (n_altup, n_embd_altup, laurel_rank), not metadata
+            "n_altup": ALTUP_STREAMS,
+            "n_altup_in": ALTUP_STREAMS - 1,
+            "n_altup_sq": ALTUP_STREAMS * ALTUP_STREAMS,
+            "per_layer_width": PER_LAYER_WIDTH,
+            "per_layer_all": self.n_layer * PER_LAYER_WIDTH,
+            "laurel_rank": LAUREL_RANK,
         }
         if name in derived:
             return derived[name]
@@ -140,3 +149,25 @@ FFN_PLAIN_BIAS = (T(_blk("ffn_up.bias"), "bias", "n_ff"), T(_blk("ffn_down.bias"
 
 # The llama block: what most families start from.
 LLAMA = TOKEN_EMBD + OUTPUT_NORM + OUTPUT + ATTN_NORM + ATTN_QKV_SPLIT + ATTN_OUT + FFN_NORM + FFN_GATED
+
+# gemma3n (llama-model.cpp's gemma3n tensors): AltUp streams, per-layer inputs and LAuReL
+ALTUP = (
+    T("altup_proj.weight", "linear", "n_altup_in", "n_embd", "n_embd"),
+    T("altup_unembd_proj.weight", "linear", "n_altup_in", "n_embd", "n_embd"),
+    T("per_layer_token_embd.weight", "embedding", "n_vocab", "per_layer_all"),
+    T("per_layer_model_proj.weight", "linear", "per_layer_all", "n_embd"),
+    T("per_layer_proj_norm.weight", "norm", "per_layer_width"),
+    T(_blk("inp_gate.weight"), "linear", "per_layer_width", "n_embd"),
+    T(_blk("proj.weight"), "linear", "n_embd", "per_layer_width"),
+    T(_blk("post_norm.weight"), "norm", "n_embd"),
+    T(_blk("altup_correct_coef.weight"), "linear", "n_altup", "n_altup"),
+    T(_blk("altup_correct_scale.weight"), "norm", "n_embd"),
+    T(_blk("altup_predict_coef.weight"), "linear", "n_altup_sq", "n_altup"),
+    T(_blk("altup_router.weight"), "linear", "n_altup", "n_embd"),
+    T(_blk("altup_router_norm.weight"), "norm", "n_embd"),
+)
+LAUREL = (
+    T(_blk("laurel_l.weight"), "linear", "laurel_rank", "n_embd"),
+    T(_blk("laurel_r.weight"), "linear", "n_embd", "laurel_rank"),
+    T(_blk("laurel_post_norm.weight"), "norm", "n_embd"),
+)

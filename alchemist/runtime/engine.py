@@ -64,6 +64,12 @@ def is_as_imported(module: ModuleType) -> bool:
     return all(current.get(name) is value for name, value in snapshot.items())
 
 
+def n_kv_caches(module: ModuleType) -> int:
+    """How many (k, v) cache pairs forward() takes: one per layer, or N_KV_CACHE where the IR has layers that
+    attend to an earlier layer's cache (gemma3n's KV sharing)."""
+    return int(getattr(module, "N_KV_CACHE", module.N_LAYER))
+
+
 @dataclass
 class StepStats:
     compile_count: int = 0
@@ -106,10 +112,10 @@ class Engine:
         shape = (self.capacity, module.N_KV_HEAD, module.HEAD_DIM)
         self.cache = [
             (
-                pytensor.shared(np.zeros(shape, np.float32), name=f"k_cache.{il}", shape=shape),
-                pytensor.shared(np.zeros(shape, np.float32), name=f"v_cache.{il}", shape=shape),
+                pytensor.shared(np.zeros(shape, np.float32), name=f"k_cache.{i}", shape=shape),
+                pytensor.shared(np.zeros(shape, np.float32), name=f"v_cache.{i}", shape=shape),
             )
-            for il in range(module.N_LAYER)
+            for i in range(n_kv_caches(module))
         ]
         self.stats = StepStats()
         self._functions: dict[tuple[int, bool], object] = {}
