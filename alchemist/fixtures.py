@@ -52,6 +52,7 @@ class FixtureConfig:
     rope_dim: int | None = None  # default: the whole head
     metadata: tuple[tuple[str, object], ...] = ()  # `<arch>.<key>` values added to (or overriding) the family's
     seed: int = 0
+    embedding_std: float | None = None  # default: the family's FixtureSpec.embedding_std
 
 
 def _spm_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
@@ -151,7 +152,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     _write_vocab(w, spec.vocab, cfg.n_vocab)
 
     wdtype = np.float32 if weight_type == "F32" else np.float16
-    embd = rng.standard_normal((cfg.n_vocab, cfg.n_embd)) * spec.embedding_std
+    embedding_std = cfg.embedding_std or spec.embedding_std
+    embd = rng.standard_normal((cfg.n_vocab, cfg.n_embd)) * embedding_std
 
     def values(name: str, role: str, shape: tuple[int, ...]) -> np.ndarray:
         if name == "token_embd.weight":
@@ -165,7 +167,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         if role == "linear":
             return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(wdtype)
         if role == "embedding":  # another table read by token (gemma3n's per-layer embeddings)
-            return (rng.standard_normal(shape) * spec.embedding_std).astype(wdtype)
+            return (rng.standard_normal(shape) * embedding_std).astype(wdtype)
         if role == "position_embedding":
             return (0.1 * rng.standard_normal(shape)).astype(wdtype)
         if role == "norm":
