@@ -27,7 +27,7 @@ def e2b_like(tmp_path_factory):
         "gemma3n", n_layer=30, n_vocab=320, n_embd=64, n_head=2, n_kv_head=1, head_dim=32, n_ff=128,
         metadata=(("attention.sliding_window_pattern", E2B_KINDS),),
     )  # fmt: skip
-    path = write_fixture(tmp_path_factory.mktemp("e2b") / "e2b-like.gguf", "gemma3n", "F16", config=cfg)
+    path = write_fixture(tmp_path_factory.mktemp("e2b") / "e2b-like.gguf", "gemma3n", config=cfg)
     return path, build_model_ir(read_gguf(path))
 
 
@@ -127,7 +127,7 @@ def test_altup_predict_correct_and_magnitudes_are_llamacpps(fixture_module):
     A, E, T = module.N_ALTUP, module.N_EMBD, 3
     H = rng.standard_normal((A, T, E)).astype(np.float32)
     out = rng.standard_normal((T, E)).astype(np.float32)
-    h, o = pt.tensor3("h", dtype="float32"), pt.matrix("o", dtype="float32")
+    h, o = pt.tensor("h", dtype="float32", shape=(A, T, E)), pt.tensor("o", dtype="float32", shape=(T, E))
     w = {k: pt.constant(v) for k, v in weights.items()}
     P, C = _fn([h, o], [module.altup_predict(w, 1, h, None), module.altup_correct(w, 1, h, o, None)])(H, out)
 
@@ -141,7 +141,7 @@ def test_altup_predict_correct_and_magnitudes_are_llamacpps(fixture_module):
     cc = router(out) @ weights["blk.1.altup_correct_coef.weight"].T + 1
     want_c = H + cc.T[:, :, None] * (out - H[0])[None]
     np.testing.assert_allclose(C, want_c, rtol=1e-4, atol=1e-4)
-    x = pt.matrix("x", dtype="float32")
+    x = pt.tensor("x", dtype="float32", shape=(T, E))
     X = rng.standard_normal((T, E)).astype(np.float32)
     S = _fn([x], module.altup_streams(w, x))(X)
     np.testing.assert_allclose(np.linalg.norm(S, axis=-1), np.broadcast_to(np.linalg.norm(X, axis=-1), (A, T)), rtol=1e-5)
@@ -153,8 +153,15 @@ def test_engine_allocates_a_cache_per_owning_layer_and_serving_refuses(tmp_path)
     from alchemist.runtime.engine import Engine, import_generated
     from alchemist.runtime.slot_engine import SlotEngine
 
-    ir = build_model_ir(read_gguf(write_fixture(tmp_path / "kv.gguf", "gemma3n", config=kv_shared_config())))
-    module = import_generated(write_generated(ir, tmp_path))
+    from alchemist.audit import audit_module
+
+    gguf_path = write_fixture(tmp_path / "kv.gguf", "gemma3n", config=kv_shared_config())
+    ir = build_model_ir(read_gguf(gguf_path))
+    module_path = write_generated(ir, tmp_path)
+    report = audit_module(module_path, gguf_path=gguf_path)  # no gemma3n code in the auditor: the IR says it all
+    assert report.passed, report.table()
+    assert "the 6 the IR marks unapplied by llama.cpp do not" in report.check("coverage").why
+    module = import_generated(module_path)
     assert module.N_LAYER == 22 and module.N_KV_CACHE == 20 and module.KV_CACHE_OF[20:] == (18, 19)
     engine = Engine(module, module.load_weights(tmp_path / "kv.gguf"), "c", 16)
     assert len(engine.cache) == 20 and engine.cache[19][0].name == "k_cache.19"
@@ -204,3 +211,32 @@ def test_diff_names_the_altup_op(fixture_module, monkeypatch, tensor, first):
     assert diff["first_divergence"] == first
     rows = dict(diff["rows"])
     assert rows["l_out-0"] <= 1e-6 and rows[first] > 1e-6
+
+
+def test_per_layer_embeddings_stay_in_blocks_and_are_gathered_by_row(tmp_path):
+    """The per-layer table (262144 x n_layer·256 in E2B) is never a float copy: its quantized rows are kept as GGUF
+    blocks and the graph reads it only through the quantized row gather of the tokens."""
+    pytest.importorskip("llama_cpp")
+    import pytensor.tensor as pt
+
+    from alchemist.harness.quantize import quantize_fixture
+    from alchemist.kernels import QuantizedEmbedding
+    from alchemist.runtime.api import write_generated
+    from alchemist.runtime.engine import import_generated
+
+    path = quantize_fixture(write_fixture(tmp_path / "f32.gguf", "gemma3n"), tmp_path / "q8.gguf", "Q8_0").path
+    ir = build_model_ir(read_gguf(path))
+    name = "per_layer_token_embd.weight"
+    binding = ir.tensor(name)
+    assert binding.kernel and binding.ggml_type == "Q8_0" and binding.role == "embedding"
+    module = import_generated(write_generated(ir, tmp_path))
+    weights = module.load_weights(path, quantized=True)
+    assert weights[name].dtype == np.uint8 and weights[name].nbytes == binding.nbytes
+    w = {k: pt.constant(v, name=k) for k, v in weights.items()}
+    tokens = pt.tensor("tokens", dtype="int64", shape=(3,))
+    cache = [(pt.zeros((4, module.N_KV_HEAD, module.HEAD_DIM)),) * 2 for _ in range(module.N_KV_CACHE)]
+    logits, _ = module.forward(w, tokens, pt.constant(np.int64(0)), cache, attend_len=4)
+    from pytensor.graph.traversal import applys_between
+
+    users = [node for node in applys_between([w[name]], [logits]) if w[name] in node.inputs]
+    assert users and all(isinstance(node.op, QuantizedEmbedding) and tokens in node.inputs for node in users)

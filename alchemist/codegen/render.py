@@ -256,12 +256,12 @@ def template_context(ir: ModelIR) -> dict:
     )
     altup = ir.altup is not None
     if altup:
+        n_sparse = sum(1 for lay in ir.layers if lay.mlp.sparsity_std)
+        n_shared = ir.n_layer - len(ir.kv_cache_layers)
         summary += (
-            f" AltUp: {ir.altup.n_streams} residual streams, a per-layer input of {ir.altup.per_layer_input.width} "
-            "for every layer, LAuReL beside attention"
-            + (f", {sum(1 for x in ir.layers if x.mlp.sparsity_std)} layers with activation sparsity")
-            + (f", {ir.n_layer - len(ir.kv_cache_layers)} layers sharing an earlier layer's KV cache." if
-               len(ir.kv_cache_layers) < ir.n_layer else ".")
+            f"\nAltUp: {ir.altup.n_streams} residual streams; a per-layer input of {ir.altup.per_layer_input.width} "
+            f"for every layer; LAuReL beside attention;\n{n_sparse} layers with activation sparsity; "
+            f"{n_shared} layers attending to an earlier layer's KV cache."
         )
     return dict(
         attention_template="attention" if att.kv_layer is None else "attention_shared_kv",
