@@ -54,6 +54,7 @@ class FixtureConfig:
     rope_dim: int | None = None  # default: the whole head
     metadata: tuple[tuple[str, object], ...] = ()  # `<arch>.<key>` values added to (or overriding) the family's
     seed: int = 0
+    embedding_std: float | None = None  # default: the family's FixtureSpec.embedding_std
 
 
 def _spm_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
@@ -135,6 +136,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         conv_kernel=int(extra.get("shortconv.l_cache", 0)),
         n_expert=n_expert,
         n_ff_exp=n_ff_exp,
+        n_layer=n_layer,
     )
     mixers = _layer_mixers(family, arch, extra, n_layer)
     path = Path(path)
@@ -159,7 +161,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     _write_vocab(w, spec.vocab, cfg.n_vocab)
 
     wdtype = np.float32 if weight_type == "F32" else np.float16
-    embd = rng.standard_normal((cfg.n_vocab, cfg.n_embd)) * spec.embedding_std
+    embedding_std = cfg.embedding_std or spec.embedding_std
+    embd = rng.standard_normal((cfg.n_vocab, cfg.n_embd)) * embedding_std
 
     def values(name: str, role: str, shape: tuple[int, ...]) -> np.ndarray:
         if name == "token_embd.weight":
@@ -176,6 +179,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
             return (4.0 * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
         if role in ("linear", "experts"):
             return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(wdtype)
+        if role == "embedding":  # another table read by token (gemma3n's per-layer embeddings)
+            return (rng.standard_normal(shape) * embedding_std).astype(wdtype)
         if role == "position_embedding":
             return (0.1 * rng.standard_normal(shape)).astype(wdtype)
         if role == "norm":
@@ -193,12 +198,17 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     alternatives = list(dict.fromkeys(t.alternative for t in family.tensors if t.alternative))
     chosen = spec.alternative or (alternatives[0] if alternatives else "")
     wanted = [t for t in family.tensors if t.alternative in ("", chosen) and (t.required or t.name in spec.optional)]
+    scales = dict(spec.scales)
+
+    def scaled(t, name: str) -> np.ndarray:
+        v = values(name, t.role, dims.resolve(t.shape))
+        return (v * scales[t.name]).astype(v.dtype) if t.name in scales else v
+
     for t in (t for t in wanted if not t.per_layer):
-        w.add_tensor(t.name, values(t.name, t.role, dims.resolve(t.shape)))
+        w.add_tensor(t.name, scaled(t, t.name))
     for il in range(n_layer):
         for t in (t for t in wanted if t.per_layer and (t.mixer is None or t.mixer == mixers[il])):
-            name = t.name.format(il=il)
-            w.add_tensor(name, values(name, t.role, dims.resolve(t.shape)))
+            w.add_tensor(t.name.format(il=il), scaled(t, t.name.format(il=il)))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -64,6 +64,7 @@ class Gating(str, Enum):
 class Wiring(str, Enum):
     SEQUENTIAL = "sequential"  # x += attn(norm(x)); x += mlp(norm(x)); each branch optionally post-normed
     PARALLEL = "parallel"  # x += attn(norm(x)) + mlp(norm(x)): both branches read the same residual
+    ALTUP = "altup"  # gemma3n: N_ALTUP residual streams, predicted and corrected around one active stream
 
 
 class QKNormScope(str, Enum):
@@ -87,6 +88,8 @@ class TensorBinding:
     # True when alchemist's kernels can use the tensor in its GGUF block format (a quantized matrix of a
     # type alchemist.kernels supports, read by the graph only as a projection or an embedding)
     kernel: bool = False
+    # False for a tensor llama.cpp loads but never applies (gemma3n's K/V projections on KV-sharing layers)
+    read: bool = field(default=True, metadata=LATER)
 
     @property
     def quantized(self) -> bool:
@@ -143,6 +146,10 @@ class AttentionSpec:
     prescale_queries: bool = False  # q · score_scale after RoPE, then unscaled q·k (phi3 names that q "Qcur")
     # attn_sinks.weight (n_head,): one more logit per query head in the softmax, unscaled; it adds no value (gpt-oss)
     sinks: str | None = field(default=None, metadata=LATER)
+    # the layer whose keys and values this layer attends to: None, its own (the classic block); its own index, a
+    # layer that writes its KV cache; an earlier one, a KV-sharing layer that computes only queries (gemma3n)
+    kv_layer: int | None = field(default=None, metadata=LATER)
+    v_norm: NormSpec | None = field(default=None, metadata=LATER)  # normalizes values (gemma3n: no weight)
 
     @property
     def group_size(self) -> int:
@@ -178,6 +185,9 @@ class MLPSpec:
     gate_bias: str | None = None
     # MOE: the router; up/gate/down (and their biases) are then 3-D expert tensors (n_expert, n_out, n_in)
     router: RouterSpec | None = field(default=None, metadata=LATER)
+    # activation sparsity (gemma3n): gate <- relu(gate - (mean + sparsity_std · std)) per token before the
+    # activation, std with n - 1; 0: dense
+    sparsity_std: float = field(default=0.0, metadata=LATER)
 
 
 @dataclass(frozen=True)
@@ -192,6 +202,33 @@ class ShortConvSpec:
 
 
 @dataclass(frozen=True)
+class LaurelSpec:
+    """LAuReL (gemma3n): a low-rank branch beside attention, h + norm(right(left(h))), joined with the attention
+    output as (attention + laurel) · join_scale."""
+
+    left: str  # laurel_l.weight (rank, n_embd)
+    right: str  # laurel_r.weight (n_embd, rank)
+    post_norm: NormSpec
+    join_scale: float
+
+
+@dataclass(frozen=True)
+class AltUpLayerSpec:
+    """One layer's AltUp tensors (gemma3n): the router that weighs the streams, the predict and correct
+    coefficients, and the gated path that adds the layer's per-layer input to the non-active streams."""
+
+    router: str  # altup_router.weight (n_altup, n_embd)
+    router_norm: NormSpec
+    router_scale: float  # multiplies the normed router input (1 / n_embd)
+    predict_coef: str  # altup_predict_coef.weight (n_altup², n_altup)
+    correct_coef: str  # altup_correct_coef.weight (n_altup, n_altup)
+    correct_scale: str  # altup_correct_scale.weight (n_embd,): scales the corrected active stream
+    inp_gate: str  # per-layer input gate (width, n_embd)
+    proj: str  # per-layer input projection back to the embedding (n_embd, width)
+    post_norm: NormSpec
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     index: int
     wiring: Wiring
@@ -203,6 +240,8 @@ class LayerSpec:
     ffn_post_norm: NormSpec | None = None
     residual_scale: float = 1.0  # multiplies each branch before the residual add (granite)
     conv: ShortConvSpec | None = field(default=None, metadata=LATER)  # the token mixer when attention is None
+    altup: AltUpLayerSpec | None = field(default=None, metadata=LATER)  # with Wiring.ALTUP
+    laurel: LaurelSpec | None = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True)
@@ -210,6 +249,32 @@ class EmbeddingSpec:
     weight: str  # token_embd.weight
     scale: float = 1.0  # gemma: sqrt(n_embd); granite: embedding_scale
     positions: str | None = None  # learned absolute position embedding (gpt2)
+
+
+@dataclass(frozen=True)
+class PerLayerInputSpec:
+    """gemma3n's per-layer inputs: for every layer a vector of `width` from the token (a row of token_embd,
+    n_layer · width wide, times token_scale) and from the scaled embedding (model_proj · x · proj_scale, RMS-normed
+    per layer), summed and times sum_scale."""
+
+    token_embd: str  # per_layer_token_embd.weight (n_vocab, n_layer · width), read by token
+    model_proj: str  # per_layer_model_proj.weight (n_layer · width, n_embd)
+    proj_norm: NormSpec  # per_layer_proj_norm.weight (width,), shared by every layer
+    width: int
+    token_scale: float
+    proj_scale: float
+    sum_scale: float
+
+
+@dataclass(frozen=True)
+class AltUpSpec:
+    """AltUp (gemma3n): the embedding widened into n_streams residual streams (stream 0 active) by `proj`,
+    each rescaled to the embedding's L2 magnitude, and merged back after the last layer by `unembd_proj`."""
+
+    n_streams: int
+    proj: str  # altup_proj.weight (n_streams - 1, n_embd, n_embd)
+    unembd_proj: str  # altup_unembd_proj.weight (n_streams - 1, n_embd, n_embd)
+    per_layer_input: PerLayerInputSpec
 
 
 @dataclass(frozen=True)
@@ -244,17 +309,39 @@ class ModelIR:
     # (alchemist's tap name, llama.cpp's callback name for the same tensor) where the family's graph names it
     # its own way (lfm2)
     tap_names: tuple[tuple[str, str], ...] = field(default=(), metadata=LATER)
+    altup: AltUpSpec | None = field(default=None, metadata=LATER)
 
     @property
     def attention_layers(self) -> tuple[LayerSpec, ...]:
         """The layers that mix tokens with attention: all of them, except a hybrid's convolution layers."""
         return tuple(lay for lay in self.layers if lay.attention is not None)
 
+    def _owns_caches(self, lay: LayerSpec) -> bool:
+        """A layer keeps caches unless it attends to an earlier layer's keys and values (gemma3n's KV sharing)."""
+        return lay.attention is None or lay.attention.kv_layer in (None, lay.index)
+
+    @property
+    def kv_cache_layers(self) -> tuple[int, ...]:
+        """The layers that own caches, in order: every layer, except those that read another layer's."""
+        return tuple(lay.index for lay in self.layers if self._owns_caches(lay))
+
+    @property
+    def kv_cache_of(self) -> tuple[int, ...]:
+        """Per layer: the index (among kv_cache_layers) of the caches it reads and writes."""
+        owners = self.kv_cache_layers
+        return tuple(
+            owners.index(lay.index if lay.attention is None or lay.attention.kv_layer is None else lay.attention.kv_layer)
+            for lay in self.layers
+        )
+
     def layer_caches(self) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
-        """Per layer, the caches its token mixer keeps, each (kind, shape of one position's row): "k" and "v"
-        (N_KV_HEAD, HEAD_DIM) for attention, "conv" (n_embd,) (the gated input B·X) for a short convolution."""
+        """Per layer that owns caches (kv_cache_layers), those caches, each (kind, shape of one position's row):
+        "k" and "v" (N_KV_HEAD, HEAD_DIM) for attention, "conv" (n_embd,) (the gated input B·X) for a short
+        convolution."""
         caches = []
         for lay in self.layers:
+            if not self._owns_caches(lay):
+                continue
             if lay.conv is not None:
                 caches.append((("conv", (self.n_embd,)),))
             else:

@@ -38,7 +38,7 @@ def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
     wanted = {
         "llama", "qwen2", "qwen3", "gemma3", "gemma", "gemma2", "phi3", "granite", "olmo2", "smollm3",
         "starcoder2", "gpt2", "stablelm", "internlm2", "exaone", "exaone4", "command-r", "cohere2", "lfm2",
-        "qwen3moe", "gpt-oss",
+        "qwen3moe", "gpt-oss", "gemma3n",
     }  # fmt: skip
     assert set(FAMILIES) == set(FAMILY_VALUES) == wanted
     for case in FIXTURES:

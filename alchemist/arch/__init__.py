@@ -11,6 +11,7 @@ from alchemist.arch import (
     gemma,
     gemma2,
     gemma3,
+    gemma3n,
     gpt2,
     gpt_oss,
     granite,
@@ -54,6 +55,7 @@ FAMILY_MODULES = (
     lfm2,
     qwen3moe,
     gpt_oss,
+    gemma3n,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

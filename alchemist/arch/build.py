@@ -72,6 +72,7 @@ def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None) ->
         rope_dim=rope_dim,
         n_ctx=hp.int("context_length", minimum=1),
         conv_kernel=hp.int("shortconv.l_cache", minimum=2) if mixers and "conv" in mixers else 0,
+        n_layer=hp.int("block_count", minimum=1),
     )
 
 
@@ -396,7 +397,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         )
 
     model_name = facts.metadata.get("general.name", "")
-    return ModelIR(
+    ir = ModelIR(
         architecture=family.name,
         model_name=model_name if isinstance(model_name, str) else "",
         source_file=facts.file_name,
@@ -424,3 +425,4 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         tensors=tuple(bindings[n] for n in facts.tensors),
         tap_names=family.tap_names,
     )
+    return family.components(hp, ir) if family.components else ir

@@ -18,7 +18,7 @@ import numpy as np
 from alchemist.arch.table import TensorSpec
 from alchemist.errors import GGUFError, UnsupportedModelError
 from alchemist.gguf_io import GGUFFacts
-from alchemist.ir import Activation, Gating, NormKind, RopeStyle, Wiring
+from alchemist.ir import Activation, Gating, ModelIR, NormKind, RopeStyle, Wiring
 
 REQUIRED = object()
 
@@ -164,6 +164,8 @@ class FixtureSpec:
     n_layer: int = 2  # more when the family's layers differ by index (e.g. RoPE on 3 of every 4)
     rope_dim: int | None = None  # partial rotary: fewer than the head's 64 dims
     alternative: str = ""  # which of the table's alternatives to write (default: the first), e.g. "moe"
+    # (table name, factor): multiplies the random values of a tensor (e.g. router weights that would be ~0)
+    scales: tuple[tuple[str, float], ...] = ()
     # other shapes of the same family worth their own fixture: (name, FixtureSpec), written as "<family>:<name>"
     variants: tuple[tuple[str, "FixtureSpec"], ...] = ()
 
@@ -204,5 +206,7 @@ class Family:
     tap_names: tuple[tuple[str, str], ...] = ()
     ffn_norm: str = "ffn_norm.weight"  # the pre-FFN norm's tensor (gpt-oss: post_attention_norm.weight)
     moe: ExpertRouting = ExpertRouting()
+    # (hp, ir) -> ir: components beyond the classic block, added to what build_ir made (gemma3n's AltUp)
+    components: Callable[[Hparams, ModelIR], ModelIR] | None = None
     fixture: FixtureSpec = FixtureSpec()
     notes: tuple[str, ...] = field(default=())

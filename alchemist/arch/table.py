@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 LAYER_PREFIX = "blk.{il}."
+ALTUP_STREAMS, PER_LAYER_WIDTH, LAUREL_RANK = 4, 256, 64  # llama_hparams: n_altup, n_embd_altup, laurel_rank
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Dims:
     conv_kernel: int = 0  # a short convolution's length (lfm2's shortconv.l_cache)
     n_expert: int = 0  # mixture of experts: experts per layer
     n_ff_exp: int = 0  # mixture of experts: each expert's FFN width
+    n_layer: int = 0
 
     def resolve(self, shape: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.size(name) for name in shape)
@@ -67,6 +69,13 @@ class Dims:
             "n_ff2": 2 * self.n_ff,
             "rope_half": self.rope_dim // 2,
             "n_embd3": 3 * self.n_embd,
+            # gemma3n's sizes, constants of llama_hparams (n_altup, n_embd_altup, laurel_rank), not metadata
+            "n_altup": ALTUP_STREAMS,
+            "n_altup_in": ALTUP_STREAMS - 1,
+            "n_altup_sq": ALTUP_STREAMS * ALTUP_STREAMS,
+            "per_layer_width": PER_LAYER_WIDTH,
+            "per_layer_all": self.n_layer * PER_LAYER_WIDTH,
+            "laurel_rank": LAUREL_RANK,
         }
         if name in derived:
             return derived[name]
@@ -187,3 +196,24 @@ FFN_MOE_BIAS = (  # one bias row per expert
 )
 # attention sinks (gpt-oss): one logit per query head, F32
 ATTN_SINKS = (T(_blk("attn_sinks.weight"), "sinks", "n_head"),)
+# gemma3n (llama-model.cpp's gemma3n tensors): AltUp streams, per-layer inputs and LAuReL
+ALTUP = (
+    T("altup_proj.weight", "linear", "n_altup_in", "n_embd", "n_embd"),
+    T("altup_unembd_proj.weight", "linear", "n_altup_in", "n_embd", "n_embd"),
+    T("per_layer_token_embd.weight", "embedding", "n_vocab", "per_layer_all"),
+    T("per_layer_model_proj.weight", "linear", "per_layer_all", "n_embd"),
+    T("per_layer_proj_norm.weight", "norm", "per_layer_width"),
+    T(_blk("inp_gate.weight"), "linear", "per_layer_width", "n_embd"),
+    T(_blk("proj.weight"), "linear", "n_embd", "per_layer_width"),
+    T(_blk("post_norm.weight"), "norm", "n_embd"),
+    T(_blk("altup_correct_coef.weight"), "linear", "n_altup", "n_altup"),
+    T(_blk("altup_correct_scale.weight"), "norm", "n_embd"),
+    T(_blk("altup_predict_coef.weight"), "linear", "n_altup_sq", "n_altup"),
+    T(_blk("altup_router.weight"), "linear", "n_altup", "n_embd"),
+    T(_blk("altup_router_norm.weight"), "norm", "n_embd"),
+)
+LAUREL = (
+    T(_blk("laurel_l.weight"), "linear", "laurel_rank", "n_embd"),
+    T(_blk("laurel_r.weight"), "linear", "n_embd", "laurel_rank"),
+    T(_blk("laurel_post_norm.weight"), "norm", "n_embd"),
+)

@@ -14,8 +14,9 @@ run -- from one input per TENSORS entry, then the PyTensor graph (before any rew
                   a weight runs over an axis holding heads: axes are labelled from the split on and the
                   labels followed through reshapes, transposes, slices, joins and matmuls, so a layout that
                   only shapes cannot tell apart (n_head == head_dim, n_kv_head == group) is still followed
-- coverage        every TENSORS entry reaches the logits or the cache (not only through its shape), and forward
-                  reads no name outside TENSORS
+- coverage        every TENSORS entry reaches the logits or the cache (not only through its shape), except those
+                  the IR marks as loaded but never applied by llama.cpp (TensorBinding.read False: gemma3n's K/V
+                  projections on KV-sharing layers), which must not; forward reads no name outside TENSORS
 
 Nothing here knows a family or a template function: the IR gives the roles and head sizes.
 """
@@ -611,16 +612,23 @@ def check_coverage(ctx: Context, g: "GraphAudit"):
     long_only = long_only if g.long_builds else set()
     f = []
     for b in g.builds:
-        for name in unread(b):
+        not_read = set(unread(b))
+        for name in sorted(not_read - g.unread, key=list(b.weights).index):
             msg = f"{name} is never read by forward (it does not reach the logits or the cache)"
             if name not in long_only and msg not in f:
                 f.append(msg)
+        for name in sorted(g.unread - not_read):
+            msg = f"{name} is read by forward, but the IR says llama.cpp never applies it"
+            if msg not in f:
+                f.append(msg)
+    n_read = len(ctx.tensors()) - len(g.unread)
     return result(
         "coverage",
         f,
         (
-            f"all {len(ctx.tensors())} TENSORS entries reach the logits or the KV cache in the graph of forward"
+            f"all {n_read} TENSORS entries reach the logits or the KV cache in the graph of forward"
             + (" (float32 and quantized weights)" if len(g.builds) > 1 else "")
+            + (f"; the {len(g.unread)} the IR marks unapplied by llama.cpp do not" if g.unread else "")
             + "; forward reads no name outside TENSORS"
         ),
     )
@@ -643,6 +651,7 @@ class GraphAudit:
     builds: list = field(default_factory=list)
     long_builds: list = field(default_factory=list)  # over the whole trained context (coverage only)
     roles: dict = field(default_factory=dict)
+    unread: set = field(default_factory=set)  # tensors the IR says llama.cpp loads but never applies
 
 
 def graph_audit(ctx: Context) -> GraphAudit:
@@ -658,15 +667,17 @@ def graph_audit(ctx: Context) -> GraphAudit:
     g.loader = probe_loader(module, tensors, kernel)
     if ctx.ir is not None:
         g.roles = {t.name: t.role for t in ctx.ir.tensors}
-        shapes = ctx.ir.layer_caches()
+        g.unread = {t.name for t in ctx.ir.tensors if not t.read}
+        shapes = ctx.ir.layer_caches()  # one group per layer that owns caches (a KV-sharing layer owns none)
     elif isinstance(ctx.src.constant("LAYER_CACHES"), tuple):
         shapes = ctx.src.constant("LAYER_CACHES")
     else:
         n_kv, head_dim, n_layer = (ctx.src.constant(n) for n in ("N_KV_HEAD", "HEAD_DIM", "N_LAYER"))
-        if not all(isinstance(v, int) for v in (n_kv, head_dim, n_layer)):
+        n_cache = ctx.src.constant("N_KV_CACHE") if "N_KV_CACHE" in ctx.src.assignments else n_layer
+        if not all(isinstance(v, int) for v in (n_kv, head_dim, n_cache)):
             g.error = "not checked: needs the IR (give the GGUF) for the KV-cache shapes"
             return g
-        shapes = [(("k", (n_kv, head_dim)), ("v", (n_kv, head_dim)))] * n_layer
+        shapes = [(("k", (n_kv, head_dim)), ("v", (n_kv, head_dim)))] * n_cache
     for quantized in (False, True) if kernel else (False,):
         g.builds.append(build_forward(module, tensors, kernel, shapes, quantized))
     context = ctx.ir.n_ctx_train if ctx.ir is not None else None

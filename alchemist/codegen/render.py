@@ -19,7 +19,7 @@ import libcst
 
 from alchemist import __version__
 from alchemist.errors import UnsupportedModelError
-from alchemist.ir import Activation, LayerSpec, MLPKind, ModelIR, RopeScaling, RopeStyle, Wiring
+from alchemist.ir import Activation, LayerSpec, MLPKind, ModelIR, QKNormScope, RopeScaling, RopeStyle, Wiring
 
 # An installed wheel ships the templates as alchemist/templates (see setup.py); a source checkout (editable
 # install) keeps the one copy in the top-level templates/ folder.
@@ -72,8 +72,12 @@ def _structure(layer: LayerSpec) -> LayerSpec:
     if att is None:  # a hybrid's convolution layer
         return dataclasses.replace(layer, index=0)
     rope = dataclasses.replace(att.rope, base=0.0, freq_scale=0.0, style=RopeStyle.NONE)
+    kv_layer = None if att.kv_layer is None else -1  # which cache: per layer (KV_CACHE_OF); whether: the same
     return dataclasses.replace(
-        layer, index=0, attention=dataclasses.replace(att, sliding_window=0, rope=rope)
+        layer,
+        index=0,
+        attention=dataclasses.replace(att, sliding_window=0, rope=rope, kv_layer=kv_layer),
+        mlp=dataclasses.replace(layer.mlp, sparsity_std=0.0),
     )
 
 
@@ -134,6 +138,7 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("a parallel block needs an input norm and has no post-norms")
     if att.group_size * att.n_kv_head != att.n_head:
         problems.append(f"{att.n_head} query heads are not a multiple of {att.n_kv_head} KV heads")
+    problems += _altup_problems(ir)
     if problems:
         raise UnsupportedModelError(f"{ir.source_file}: the templates cannot render " + "; ".join(problems))
 
@@ -149,6 +154,41 @@ def _mixerless(layer: LayerSpec) -> LayerSpec:
 def _conv(ir: ModelIR):
     """The short convolution of a hybrid's convolution layers (the same in each), or None."""
     return next((lay.conv for lay in ir.layers if lay.conv is not None), None)
+def _altup_problems(ir: ModelIR) -> list[str]:
+    """What the AltUp block and the shared-KV attention templates (gemma3n's components) cannot render."""
+    first = ir.layers[0]
+    att, problems = ir.attention_layers[0].attention, []
+    sparse = any(lay.mlp.sparsity_std for lay in ir.layers)
+    if sparse and first.mlp.kind is not MLPKind.GATED:
+        problems.append("activation sparsity outside a gated MLP")
+    if att.v_norm is not None and att.kv_layer is None:
+        problems.append("a value norm outside the shared-KV attention")
+    if att.kv_layer is not None:
+        if not (att.q and att.k and att.v) or att.q_bias or att.k_bias or att.v_bias or att.out_bias:
+            problems.append("shared-KV attention needs q, k and v projections without biases")
+        if att.q_norm is None or att.v_norm is None or att.qk_norm_scope is not QKNormScope.HEAD:
+            problems.append("shared-KV attention needs per-head q/k norms and a value norm")
+        if att.logit_softcap or att.prescale_queries or att.rope.freq_factors_short:
+            problems.append("shared-KV attention with a logit softcap, prescaled queries or LongRoPE")
+        if any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.layers):
+            problems.append("shared-KV attention on layers without RoPE")
+        for lay in ir.layers:
+            src = lay.attention.kv_layer
+            if not 0 <= src <= lay.index or ir.layers[src].attention.kv_layer != src:
+                problems.append(f"layer {lay.index} reads the KV cache of layer {src}, which does not write one")
+    altup_wired = first.wiring is Wiring.ALTUP
+    if altup_wired != (ir.altup is not None) or altup_wired != (first.altup is not None):
+        problems.append("AltUp streams, AltUp layers and the AltUp block must come together")
+    if (first.laurel is not None) != altup_wired:
+        problems.append("LAuReL only inside the AltUp block, which has it")
+    if altup_wired:
+        if att.kv_layer is None or first.mlp.kind is not MLPKind.GATED:
+            problems.append("the AltUp block needs the shared-KV attention and a gated MLP")
+        if None in (first.attn_norm, first.ffn_norm, first.attn_post_norm, first.ffn_post_norm):
+            problems.append("the AltUp block needs input and post norms around attention and the MLP")
+        if first.residual_scale != 1.0 or ir.embedding.positions or ir.altup.n_streams < 2:
+            problems.append("the AltUp block with a residual scale, learned positions or fewer than 2 streams")
+    return problems
 
 
 def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
@@ -213,6 +253,25 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         rows.append(("LAYER_CACHES", ir.layer_caches(), "per layer: its caches, (kind, shape of a position's row)"))
     if ir.tap_names:
         rows.append(("TAP_NAMES", ir.tap_names, "(tap, llama.cpp's name for that tensor in this family's graph)"))
+    if att.kv_layer is not None:
+        rows.append(("N_KV_CACHE", len(ir.kv_cache_layers), "KV caches: fewer than layers when layers share them"))
+        rows.append(("KV_CACHE_OF", ir.kv_cache_of, "per layer: the KV cache its attention reads"))
+        writes = tuple(lay.attention.kv_layer == lay.index for lay in ir.layers)
+        rows.append(("WRITES_KV", writes, "per layer: computes and caches keys/values"))
+    if any(lay.mlp.sparsity_std for lay in ir.layers):
+        sparsity = tuple(lay.mlp.sparsity_std for lay in ir.layers)
+        rows.append(("ACTIVATION_SPARSITY", sparsity, "per layer, see gaussian_topk; 0: dense"))
+    if ir.altup is not None:
+        pli, al = ir.altup.per_layer_input, first.altup
+        rows += [
+            ("N_ALTUP", ir.altup.n_streams, "residual streams (AltUp); stream 0 is the active one"),
+            ("ALTUP_ROUTER_SCALE", al.router_scale, "multiplies the router's normed input"),
+            ("PER_LAYER_WIDTH", pli.width, "size of each layer's per-layer input"),
+            ("PER_LAYER_TOKEN_SCALE", pli.token_scale, "multiplies the per-layer token embeddings"),
+            ("PER_LAYER_PROJ_SCALE", pli.proj_scale, "multiplies the per-layer projection of the embedding"),
+            ("PER_LAYER_INPUT_SCALE", pli.sum_scale, "multiplies their sum"),
+            ("LAUREL_JOIN_SCALE", first.laurel.join_scale, "(attention + LAuReL) are joined times this"),
+        ]
     return rows
 
 
@@ -243,7 +302,22 @@ def template_context(ir: ModelIR) -> dict:
     if conv is not None:
         n_conv = sum(lay.conv is not None for lay in ir.layers)
         summary += f"\n{n_conv} of the layers mix tokens with a short convolution of length {conv.kernel}."
+    altup = ir.altup is not None
+    if altup:
+        n_sparse = sum(1 for lay in ir.layers if lay.mlp.sparsity_std)
+        n_shared = ir.n_layer - len(ir.kv_cache_layers)
+        summary += (
+            f"\nAltUp: {ir.altup.n_streams} residual streams; a per-layer input of {ir.altup.per_layer_input.width} "
+            f"for every layer; LAuReL beside attention;\n{n_sparse} layers with activation sparsity; "
+            f"{n_shared} layers attending to an earlier layer's KV cache."
+        )
     return dict(
+        attention_template="attention" if att.kv_layer is None else "attention_shared_kv",
+        block_components=(["laurel"] if first.laurel else []) + (["altup"] if altup else []),
+        forward_template="forward_altup" if altup else "forward",
+        sparse_mlp=any(lay.mlp.sparsity_std for lay in ir.layers),
+        slots=not altup,
+        altup=ir.altup,
         arch=ir.architecture,
         summary=summary,
         model_name=ir.model_name,

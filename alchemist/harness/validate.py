@@ -114,7 +114,8 @@ def layer_nmse(engine, oracle, prompt: list[int]) -> dict:
     order, theirs = oracle.shared_intermediates(prompt, ours)
     report = first_divergence(ours, theirs, order, tol=THRESHOLDS["exact_nmse"])
     per_tensor = {n: float(nmse(ours[n], theirs[n])) for n in order if n in theirs}
-    return {"order": order, "nmse": per_tensor, "first_divergence": report.name, "divergent_nmse": report.nmse}
+    divergent = report.nmse.get(report.name) if report.name else None
+    return {"order": order, "nmse": per_tensor, "first_divergence": report.name, "divergent_nmse": divergent}
 
 
 def validate_backend(

@@ -56,13 +56,13 @@ def import_generated(path: str | Path, name_suffix: str = "") -> ModuleType:
 
 
 def layer_caches(module: ModuleType) -> tuple:
-    """Per layer, the caches the module's forward() reads and returns, each (kind, shape of one position's row):
-    its LAYER_CACHES (a hybrid's: "k", "v" for attention, "conv" for a short convolution), else K and V of
-    (N_KV_HEAD, HEAD_DIM) in every layer."""
+    """The groups of caches the module's forward() reads and returns, each cache (kind, shape of one position's
+    row): its LAYER_CACHES (a hybrid's, per layer: "k", "v" for attention, "conv" for a short convolution), else
+    K and V of (N_KV_HEAD, HEAD_DIM) per KV cache (one per layer, fewer where layers share one: n_kv_caches)."""
     caches = getattr(module, "LAYER_CACHES", None)
     if caches is None:
         row = (module.N_KV_HEAD, module.HEAD_DIM)
-        return ((("k", row), ("v", row)),) * module.N_LAYER
+        return ((("k", row), ("v", row)),) * n_kv_caches(module)
     return tuple(tuple((str(kind), tuple(int(n) for n in row)) for kind, row in layer) for layer in caches)
 
 
@@ -82,6 +82,12 @@ def is_as_imported(module: ModuleType) -> bool:
         return False
     current = vars(module)
     return all(current.get(name) is value for name, value in snapshot.items())
+
+
+def n_kv_caches(module: ModuleType) -> int:
+    """How many (k, v) cache pairs forward() takes: one per layer, or N_KV_CACHE where the IR has layers that
+    attend to an earlier layer's cache (gemma3n's KV sharing)."""
+    return int(getattr(module, "N_KV_CACHE", module.N_LAYER))
 
 
 @dataclass

@@ -1,0 +1,199 @@
+"""Gemma 3n (text): llama.cpp src/models/gemma3n.cpp.
+
+Gemma 3's attention (NEOX RoPE, q/k RMSNorm per head, sandwich norms, sliding-window layers with their own
+RoPE base, default 10000) with kq scale 1 and values RMS-normed without a weight, inside an AltUp block:
+- the scaled embedding widened into 4 residual streams by altup_proj (each rescaled to the embedding's L2
+  magnitude); each layer predicts every stream from all four (altup_predict_coef, weighted by a router:
+  tanh(altup_router · RMSNorm(x) / n_embd)), runs the active stream 0 through attention, LAuReL
+  (laurel_l, laurel_r, laurel_post_norm; joined as (attention + active + laurel) / sqrt 2) and a GELU MLP,
+  then corrects every stream by the active one's innovation (altup_correct_coef + 1) and adds the layer's
+  gated per-layer input (inp_gate, proj, post_norm) to streams 1-3; altup_unembd_proj merges them back;
+- per-layer inputs: rows of per_layer_token_embd (read by token) · sqrt(256) plus per_layer_model_proj · x
+  / sqrt(n_embd), RMS-normed per layer (per_layer_proj_norm), summed and / sqrt 2;
+- activation sparsity in layers 0-9: gate <- relu(gate - (mean + 1.6448533535 · std)) before GELU;
+- KV sharing: layers from 20 on compute only queries and attend to the cache written by layer 18 (sliding)
+  or 19 (global).
+Norm weights multiply as stored. The sizes (4 streams, width 256, rank 64), the 20-layer KV start, the 10
+sparse layers and the final softcap 30 are llama.cpp constants: the GGUF keys for them are not read.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from alchemist.arch.family import Family, FixtureSpec, Hparams, every_nth_dense
+from alchemist.arch.table import (
+    ALTUP,
+    ALTUP_STREAMS,
+    ATTN_NORM,
+    ATTN_OUT,
+    ATTN_POST_NORM,
+    ATTN_QKV_SPLIT,
+    FFN_GATED,
+    FFN_NORM,
+    FFN_POST_NORM,
+    LAUREL,
+    OUTPUT,
+    OUTPUT_NORM,
+    PER_LAYER_WIDTH,
+    QK_NORM_HEAD,
+    TOKEN_EMBD,
+)
+from alchemist.errors import UnsupportedModelError
+from alchemist.ir import (
+    AltUpLayerSpec,
+    AltUpSpec,
+    Activation,
+    LaurelSpec,
+    ModelIR,
+    NormKind,
+    NormSpec,
+    PerLayerInputSpec,
+    RopeStyle,
+    Wiring,
+)
+
+KV_FROM_START = 20  # llama_model_gemma3n: n_layer_kv_from_start
+SPARSE_LAYERS = 10  # graph::n_layer_sparsity
+SPARSITY_STD = float(np.float32(1.6448533535003662))  # graph::f_sparsity_std_mul, Normal(0, 1).icdf(0.95)
+INV_SQRT2 = float(np.float32(1.0) / np.sqrt(np.float32(2.0)))  # 1.0f / sqrtf(2.0f)
+KV_SHARED = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")  # loaded on KV-sharing layers, never applied
+
+
+def _kv_layer(il: int, sliding: list[bool], path: str) -> int:
+    """llama.cpp's create_memory reuse rule: layers from KV_FROM_START on read the cache of layer
+    KV_FROM_START - 2 (sliding) or KV_FROM_START - 1 (global), which must be of that kind."""
+    if il < KV_FROM_START:
+        return il
+    src = KV_FROM_START - (2 if sliding[il] else 1)
+    if sliding[src] != sliding[il]:
+        kind = "sliding" if sliding[il] else "global"
+        raise UnsupportedModelError(
+            f"{path}: gemma3n layer {il} ({kind}) shares the KV cache of layer {src}, which is not {kind} "
+            "(llama.cpp requires layer 18 sliding and layer 19 global)"
+        )
+    return src
+
+
+def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
+    rms = lambda weight: NormSpec(NormKind.RMS, weight)  # noqa: E731
+    sliding = [lay.attention.sliding_window > 0 for lay in ir.layers]
+    if not any(sliding):
+        raise UnsupportedModelError(f"{hp.facts.path}: gemma3n needs sliding-window layers (llama.cpp's iSWA cache)")
+    layers = []
+    for lay in ir.layers:
+        il = lay.index
+        attention = dataclasses.replace(
+            lay.attention, kv_layer=_kv_layer(il, sliding, hp.facts.path), v_norm=NormSpec(NormKind.RMS, None)
+        )
+        mlp = dataclasses.replace(lay.mlp, sparsity_std=SPARSITY_STD if il < SPARSE_LAYERS else 0.0)
+        altup = AltUpLayerSpec(
+            router="altup_router.weight",
+            router_norm=rms("altup_router_norm.weight"),
+            router_scale=float(np.float32(1.0) / np.float32(ir.n_embd)),
+            predict_coef="altup_predict_coef.weight",
+            correct_coef="altup_correct_coef.weight",
+            correct_scale="altup_correct_scale.weight",
+            inp_gate="inp_gate.weight",
+            proj="proj.weight",
+            post_norm=rms("post_norm.weight"),
+        )
+        laurel = LaurelSpec("laurel_l.weight", "laurel_r.weight", rms("laurel_post_norm.weight"), INV_SQRT2)
+        layers.append(
+            dataclasses.replace(
+                lay, wiring=Wiring.ALTUP, attention=attention, mlp=mlp, altup=altup, laurel=laurel
+            )
+        )
+    # K/V projections of a KV-sharing layer are loaded (llama.cpp requires them) but never applied
+    unread = {f"blk.{lay.index}.{s}" for lay in layers if lay.attention.kv_layer != lay.index for s in KV_SHARED}
+    tensors = tuple(dataclasses.replace(t, read=False) if t.name in unread else t for t in ir.tensors)
+    per_layer = PerLayerInputSpec(
+        token_embd="per_layer_token_embd.weight",
+        model_proj="per_layer_model_proj.weight",
+        proj_norm=rms("per_layer_proj_norm.weight"),
+        width=PER_LAYER_WIDTH,
+        token_scale=float(np.sqrt(np.float32(PER_LAYER_WIDTH))),
+        proj_scale=float(np.float32(1.0) / np.sqrt(np.float32(ir.n_embd))),
+        sum_scale=INV_SQRT2,
+    )
+    altup = AltUpSpec(ALTUP_STREAMS, "altup_proj.weight", "altup_unembd_proj.weight", per_layer)
+    return dataclasses.replace(ir, layers=tuple(layers), tensors=tensors, altup=altup)
+
+
+def _layer_kinds(n_layer: int) -> tuple[bool, ...]:
+    """Sliding (True) or global per layer, written as the converter writes it (a bool array): every 5th global."""
+    return tuple(il % 5 < 4 for il in range(n_layer))
+
+
+# Fixture values: router weights scaled up so that the streams really mix (random ones of the usual size give
+# tanh(~0.004)); q norms scaled down so that kq scale 1 over unit-RMS heads (scores of ±64) does not make a softmax
+# that turns llama.cpp's FP16 GELU table (1e-7) into 1e-6 a layer later.
+def _scales(branch: float) -> tuple[tuple[str, float], ...]:
+    """Fixture value scales: router weights up so that the streams really mix (random ones of the usual size give
+    tanh(~0.004)); q norms down so that kq scale 1 over unit-RMS heads (scores of ±64) makes no softmax sharp enough
+    to amplify the noise of llama.cpp's arithmetic layer after layer; gates up so that most GELU inputs lie outside
+    (-10, 10), where llama.cpp's FP16 GELU table is exact; every branch's post-norm times `branch`, so that a layer
+    changes the streams by a fraction (a random deep stack of full-size branches is chaotic)."""
+    return (
+        ("blk.{il}.altup_router.weight", 64.0),
+        ("blk.{il}.altup_correct_coef.weight", 2.0),
+        ("blk.{il}.attn_q_norm.weight", 0.0625),
+        ("blk.{il}.ffn_gate.weight", 50.0),
+        ("blk.{il}.inp_gate.weight", 40.0),
+        ("blk.{il}.post_norm.weight", branch),
+        ("blk.{il}.post_attention_norm.weight", branch),
+        ("blk.{il}.post_ffw_norm.weight", branch),
+        ("blk.{il}.laurel_post_norm.weight", branch),
+    )
+
+
+FAMILY = Family(
+    name="gemma3n",
+    tensors=TOKEN_EMBD
+    + OUTPUT_NORM
+    + OUTPUT
+    + ATTN_NORM
+    + ATTN_QKV_SPLIT
+    + ATTN_OUT
+    + QK_NORM_HEAD
+    + ATTN_POST_NORM
+    + FFN_NORM
+    + FFN_GATED
+    + FFN_POST_NORM
+    + ALTUP
+    + LAUREL,
+    rope=RopeStyle.NEOX,
+    activation=Activation.GELU_TANH,
+    score_scale=lambda hp, head_dim: 1.0,  # f_attention_scale: q and k are RMS-normed
+    embedding_scale=lambda hp: math.sqrt(hp.int("embedding_length")),
+    final_softcap=lambda hp: 30.0,  # llama_hparams' default; gemma3n does not read final_logit_softcapping
+    sliding_layers=every_nth_dense(5),
+    swa_rope=lambda hp, base, scale: (hp.float("rope.freq_base_swa", default=10000.0, positive=True), 1.0),
+    components=_components,
+    # 6 layers: every one sparse, layers 2 and 5 global (a bool array, as the converter writes it), the sliding
+    # layers with their own RoPE base; values scaled as _scales says. kv_shared_config(): the KV-sharing one
+    fixture=FixtureSpec(
+        vocab="spm",
+        n_layer=6,
+        metadata=(
+            ("attention.sliding_window", 8),
+            ("attention.sliding_window_pattern", (True, True, False, True, True, False)),
+            ("rope.freq_base_swa", 1000.0),
+        ),
+        embedding_std=0.5,
+        scales=_scales(0.3),
+    ),
+)
+
+
+def kv_shared_config():
+    """A 22-layer fixture config: past llama.cpp's KV start (20), so layer 20 (sliding) and 21 (global) attend to
+    the caches of layers 18 and 19; layers 10-21 are dense. Validated in F32 only (tests/test_gemma3n.py): 22 random
+    layers amplify llama.cpp's activation rounding past the quantized bars, which the 6-layer fixture meets, and
+    with the 6-layer fixture's larger embeddings (decisive logits) its F32 rounding past 1e-6."""
+    from alchemist.fixtures import FixtureConfig
+
+    kinds = _layer_kinds(20) + (True, False)
+    pattern = ("attention.sliding_window_pattern", kinds)
+    return FixtureConfig("gemma3n", n_layer=22, metadata=(pattern,), embedding_std=0.05)
