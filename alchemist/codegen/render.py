@@ -68,16 +68,16 @@ def _environment() -> jinja2.Environment:
 
 def _structure(layer: LayerSpec) -> LayerSpec:
     """A layer with its per-layer numbers blanked: what must be the same in every layer to share one block()."""
-    att = layer.attention
+    att, mlp = layer.attention, dataclasses.replace(layer.mlp, sparsity_std=0.0)
     if att is None:  # a hybrid's convolution layer
-        return dataclasses.replace(layer, index=0)
+        return dataclasses.replace(layer, index=0, mlp=mlp)
     rope = dataclasses.replace(att.rope, base=0.0, freq_scale=0.0, style=RopeStyle.NONE)
     kv_layer = None if att.kv_layer is None else -1  # which cache: per layer (KV_CACHE_OF); whether: the same
     return dataclasses.replace(
         layer,
         index=0,
         attention=dataclasses.replace(att, sliding_window=0, rope=rope, kv_layer=kv_layer),
-        mlp=dataclasses.replace(layer.mlp, sparsity_std=0.0),
+        mlp=mlp,
     )
 
 
@@ -148,7 +148,7 @@ RENDERABLE_ROPE_SCALING = tuple(RopeScaling)
 
 def _mixerless(layer: LayerSpec) -> LayerSpec:
     """What every layer of a hybrid shares: all but its token mixer."""
-    return dataclasses.replace(layer, index=0, attention=None, conv=None)
+    return dataclasses.replace(_structure(layer), attention=None, conv=None)
 
 
 def _conv(ir: ModelIR):
