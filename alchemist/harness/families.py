@@ -76,6 +76,14 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append(f"{mlp.kind.value.replace('_', ' ')} {mlp.activation.value} MLP")
     if mlp.up_bias:
         out.append("MLP bias")
+    if any(x.mlp.sparsity_std for x in ir.layers):
+        out.append("activation sparsity")
+    if ir.altup is not None:
+        out.append(f"AltUp ({ir.altup.n_streams} streams) with per-layer inputs")
+    if lay.laurel is not None:
+        out.append("LAuReL")
+    if len(ir.kv_cache_layers) < ir.n_layer:
+        out.append("shared KV caches")
     if lay.residual_scale != 1.0:
         out.append("residual scale")
     if ir.output.logit_scale != 1.0:
