@@ -86,27 +86,29 @@ class Hparams:
             raise GGUFError(self.facts.path, full, f"expected a string, got {type(v).__name__}")
         return v
 
-    def ints(self, key: str, n: int) -> list[int] | None:
-        """A per-layer integer array (e.g. lfm2's head_count_kv), or None when absent or a scalar."""
+    def _per_layer(self, key: str, n: int) -> np.ndarray | None:
+        """`key`'s per-layer array of n entries, or None when absent or a scalar."""
         full = self.key(key)
         raw = self.facts.metadata.get(full)
         if not isinstance(raw, np.ndarray):
             return None
         if raw.size != n:
             raise GGUFError(self.facts.path, full, f"has {raw.size} entries for {n} layers")
+        return raw
+
+    def ints(self, key: str, n: int) -> list[int] | None:
+        """A per-layer integer array (e.g. lfm2's head_count_kv), or None when absent or a scalar."""
+        raw = self._per_layer(key, n)
+        if raw is None:
+            return None
         if raw.dtype.kind not in "iu":
-            raise GGUFError(self.facts.path, full, f"expected integers, got {raw.dtype}")
+            raise GGUFError(self.facts.path, self.key(key), f"expected integers, got {raw.dtype}")
         return [int(x) for x in raw.tolist()]
 
     def bools(self, key: str, n: int) -> list[bool] | None:
         """A per-layer boolean array (e.g. sliding_window_pattern as an array), or None when absent/scalar."""
-        full = self.key(key)
-        raw = self.facts.metadata.get(full)
-        if not isinstance(raw, np.ndarray):
-            return None
-        if raw.size != n:
-            raise GGUFError(self.facts.path, full, f"has {raw.size} entries for {n} layers")
-        return [bool(x) for x in raw.tolist()]
+        raw = self._per_layer(key, n)
+        return None if raw is None else [bool(x) for x in raw.tolist()]
 
 
 def every_nth_dense(default_pattern: int, dense_first: bool = False) -> Callable[[Hparams, int], list[bool]]:
