@@ -163,6 +163,7 @@ def run_chat(
     read: Callable[[str], str] = input,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
+    numerics: str | None = None,
 ) -> int:
     """Chat with `model` (a GGUF path or reference model name). `engine_factory() -> (slot_engine, tokenizer)`
     replaces loading the model (tests run the chat loop on a toy engine)."""
@@ -172,7 +173,9 @@ def run_chat(
             from alchemist import load_llm
             from alchemist.runtime.slot_engine import SlotEngine
 
-            llm = load_llm(model, backend=backend, context=context, compile_now=False)
+            from alchemist.runtime.numerics import resolve_numerics
+
+            llm = load_llm(model, backend=backend, context=context, compile_now=False, numerics=resolve_numerics(numerics))
             slot_engine = SlotEngine(llm.engine, 1, chunk=chunk, decode_buckets=(1,))
             print("compiling (or linking from the graph cache) the chat's step functions ...", file=err)
             slot_engine.warm_up()

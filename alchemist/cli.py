@@ -104,7 +104,7 @@ def _cmd_gen(args) -> int:
 def _cmd_run(args) -> int:
     from alchemist import inference, load_llm
 
-    model = load_llm(args.model, backend=args.backend, context=args.context)
+    model = load_llm(args.model, backend=args.backend, context=args.context, numerics=_numerics(args))
     if args.tokens:
         prompt = [int(t) for t in args.tokens.split(",")]
     else:
@@ -209,7 +209,7 @@ def _prompt_ids(args) -> list[int]:
 
 def _cmd_validate(args) -> int:
     from alchemist.codegen import module_slug
-    from alchemist.harness.validate import validate_model, write_validation
+    from alchemist.harness.validate import attribution_text, validate_model, write_validation
     from alchemist.runtime.backends import BACKENDS
 
     backends = list(BACKENDS) if args.backend == "all" else args.backend.split(",")
@@ -219,11 +219,17 @@ def _cmd_validate(args) -> int:
         prompt=_prompt_ids(args),
         n_generate=args.generate,
         context=args.context,
-        llamacpp_rounding=args.llamacpp_rounding,
+        numerics=_numerics(args),
     )
-    stem = module_slug(Path(args.model).name) + ("_llamacpp_rounding" if args.llamacpp_rounding else "")
+    stem = module_slug(Path(args.model).name) + _numerics_suffix(report["numerics"])
     paths = write_validation(report, args.output, stem)
-    print(f"validation {'PASSED' if report['passed'] else 'FAILED'}; reports: " + ", ".join(map(str, paths)))
+    for backend, res in report["backends"].items():
+        if res.get("attribution"):
+            print(f"{backend}: {attribution_text(res['attribution'])}")
+    print(
+        f"validation {'PASSED' if report['passed'] else 'FAILED'} (numerics {report['numerics']}); reports: "
+        + ", ".join(map(str, paths))
+    )
     return 0 if report["passed"] else 1
 
 
@@ -231,16 +237,12 @@ def _cmd_diff(args) -> int:
     from alchemist.codegen import module_slug
     from alchemist.harness.validate import diff_model, write_diff
 
-    result = diff_model(
-        args.model, args.backend, _prompt_ids(args), tol=args.tol, llamacpp_rounding=args.llamacpp_rounding
-    )
+    result = diff_model(args.model, args.backend, _prompt_ids(args), tol=args.tol, numerics=_numerics(args))
     print(f"{'tensor':28} {'NMSE vs llama.cpp':>18}")
     for name, value in result["rows"]:
         mark = "  <-- first divergence" if name == result["first_divergence"] else ""
         print(f"{name:28} {value:18.3e}{mark}")
-    stem = f"{module_slug(Path(args.model).name)}_diff_{args.backend}" + (
-        "_llamacpp_rounding" if args.llamacpp_rounding else ""
-    )
+    stem = f"{module_slug(Path(args.model).name)}_diff_{args.backend}" + _numerics_suffix(result["numerics"])
     paths = write_diff(result, args.output, stem)
     if result.get("chart_error"):
         print(f"chart not drawn: {result['chart_error']}")
@@ -289,7 +291,9 @@ def _cmd_chat(args) -> int:
     from alchemist.runtime.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.repeat_penalty, args.seed)
-    return run_chat(args.model, args.backend, args.context, args.system, args.max_tokens, params, args.chunk)
+    return run_chat(
+        args.model, args.backend, args.context, args.system, args.max_tokens, params, args.chunk, numerics=_numerics(args)
+    )
 
 
 def _cmd_serve(args) -> int:
@@ -333,7 +337,7 @@ def _cmd_perplexity(args) -> int:
         stride=args.stride,
         backend=args.backend,
         oracle=args.oracle,
-        llamacpp_rounding=args.llamacpp_rounding,
+        numerics=_numerics(args),
     )
     print(result.table())
     if args.json:
@@ -343,6 +347,32 @@ def _cmd_perplexity(args) -> int:
 
 
 MODEL_HELP = "a GGUF file, or a reference model name: gemma-3-270m, qwen2.5-coder-0.5b"
+
+
+def _add_numerics(p, rounding_alias: bool = False) -> None:
+    """--numerics (alchemist.runtime.numerics); rounding_alias: also the older --llamacpp-rounding."""
+    p.add_argument(
+        "--numerics",
+        choices=["ggml", "exact"],
+        default=None,
+        help="ggml (default): compute as llama.cpp's CPU backend does (activations rounded to each weight's "
+        "vec_dot_type, GELU from ggml's fp16 table); exact: multiply exact activations (the differentiable reference)",
+    )
+    if rounding_alias:
+        p.add_argument("--llamacpp-rounding", action="store_true", help="the older spelling of --numerics ggml")
+
+
+def _numerics(args) -> str:
+    from alchemist.runtime.numerics import resolve_numerics
+
+    return resolve_numerics(args.numerics, getattr(args, "llamacpp_rounding", False))
+
+
+def _numerics_suffix(numerics: str) -> str:
+    """Report file stems: the default numerics' reports keep their names, the others' are told apart."""
+    from alchemist.runtime.numerics import DEFAULT
+
+    return "" if numerics == DEFAULT else f"_{numerics}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--report", help="write the JSON report here")
+    _add_numerics(p)
     p.set_defaults(fn=_cmd_run)
 
     p = sub.add_parser("fixture", help="write a tiny random-weight GGUF for tests")
@@ -407,11 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generate", type=int, default=32, help="greedy tokens to check (fresh-prefix decisions)")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("-o", "--output", default="validation", help="report directory (default: validation/)")
-    p.add_argument(
-        "--llamacpp-rounding",
-        action="store_true",
-        help="diagnostic: round activations (and GELU) as llama.cpp's CPU backend does before comparing",
-    )
+    _add_numerics(p, rounding_alias=True)
     p.set_defaults(fn=_cmd_validate)
 
     p = sub.add_parser(
@@ -425,11 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tol", type=float, default=None, help="NMSE tolerance (default 1e-6 exact weights, 1e-2 quantized)"
     )
     p.add_argument("-o", "--output", default="validation", help="report directory (default: validation/)")
-    p.add_argument(
-        "--llamacpp-rounding",
-        action="store_true",
-        help="diagnostic: round activations (and GELU) as llama.cpp's CPU backend does before comparing",
-    )
+    _add_numerics(p, rounding_alias=True)
     p.set_defaults(fn=_cmd_diff)
 
     p = sub.add_parser("explain", help="per-token saliency (gradient x input) of log p(target | prompt)")
@@ -462,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    _add_numerics(p)
     p.set_defaults(fn=_cmd_chat)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
@@ -469,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     from alchemist.serve.cli import add_arguments as add_serve_arguments
 
     add_serve_arguments(p)
+    _add_numerics(p)
     p.set_defaults(fn=_cmd_serve)
 
     p = sub.add_parser("graph", help="one layer's PyTensor graph, before or after a backend's rewrites")
@@ -497,11 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--oracle", action=argparse.BooleanOptionalAction, default=True, help="also score with llama.cpp (default)"
     )
     p.add_argument("--json", help="write per-token log-probabilities and the summary here")
-    p.add_argument(
-        "--llamacpp-rounding",
-        action="store_true",
-        help="diagnostic: round matmul inputs (and GELU) as llama.cpp's CPU backend does (slow: ~25x)",
-    )
+    _add_numerics(p, rounding_alias=True)
     p.set_defaults(fn=_cmd_perplexity)
 
     try:

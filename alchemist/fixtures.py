@@ -259,3 +259,19 @@ def _write_vocab(w: gguf.GGUFWriter, kind: str, n_vocab: int) -> None:
         w.add_add_bos_token(False)
     else:
         raise ValueError(f"unknown fixture vocabulary {kind!r}")
+
+
+def add_massive_activation(path: str | Path, token: int, channel: int = 7, factor: float = 1000.0) -> Path:
+    """Edit an F32 fixture in place so that `token`'s embedding row carries one massive channel: `channel` set to
+    `factor` times the row's RMS. Wherever the token stands (put it at position 0), the residual stream then has
+    one channel ~`factor` times the others, as real models' "massive activations" do (Sun et al. 2024), which
+    is where llama.cpp's 8-bit activation blocks lose the most (the outlier sets every block's scale)."""
+    reader = gguf.GGUFReader(str(path), "r+")
+    table = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    if table.tensor_type != gguf.GGMLQuantizationType.F32:
+        raise ValueError(f"{path}: token_embd.weight is {table.tensor_type.name}; add_massive_activation edits F32")
+    row = table.data[token]  # a view into the file (numpy shape (n_vocab, n_embd))
+    row[channel] = np.float32(factor) * np.sqrt(np.mean(np.square(row, dtype=np.float64)))
+    reader.data.flush()  # the row is a view of the file's memory map
+    del reader
+    return Path(path)

@@ -353,13 +353,13 @@ def compare(
 
 def round_like_llamacpp(model) -> None:
     """Diagnostic: make a freshly loaded model (nothing compiled yet) round its matmul inputs as llama.cpp's
-    CPU backend does (alchemist.harness.emulate), to tell llama.cpp's arithmetic apart from a real difference."""
-    from alchemist.harness.emulate import emulating_llamacpp
+    CPU backend does: load_llm(..., numerics="ggml") does the same at load time."""
+    from alchemist.runtime.numerics import with_numerics
 
     if model.engine._functions:
         raise AlchemistError("round_like_llamacpp needs a model loaded with compile_now=False")
-    model.engine.module = emulating_llamacpp(model.module)
-    model.module = model.engine.module
+    model.engine.module = with_numerics(model.engine.module, "ggml")
+    model.numerics = "ggml"
 
 
 def perplexity_file(
@@ -372,9 +372,13 @@ def perplexity_file(
     progress: bool = True,
     n_threads: int | None = None,
     llamacpp_rounding: bool = False,
+    numerics: str | None = None,
 ) -> Comparison:
-    """`alchemist perplexity`: load the model with a KV cache of `context` tokens, then `compare` on the file's text."""
+    """`alchemist perplexity`: load the model with a KV cache of `context` tokens, then `compare` on the file's text.
+    `numerics` (default "ggml", see alchemist.runtime.numerics); llamacpp_rounding=True is the older spelling
+    of numerics="ggml"."""
     from alchemist import load_llm
+    from alchemist.runtime.numerics import resolve_numerics
 
     text = read_text(text_path)
     from alchemist.arch import build_model_ir
@@ -389,9 +393,8 @@ def perplexity_file(
             _llama.require()  # before minutes of scoring
         except _llama.OracleError as e:
             raise _llama.OracleError(f"{e} (or pass --no-oracle)") from None
-    model = load_llm(model_path, backend=backend, context=context, progress=progress, compile_now=not llamacpp_rounding)
-    if llamacpp_rounding:
-        round_like_llamacpp(model)
+    numerics = resolve_numerics(numerics, llamacpp_rounding)
+    model = load_llm(model_path, backend=backend, context=context, progress=progress, numerics=numerics)
     result = compare(model, text, context, stride, oracle, progress, n_threads, str(text_path))
-    result.ours.extra["numerics"] = "llama.cpp CPU rounding emulated (diagnostic)" if llamacpp_rounding else "exact"
+    result.ours.extra["numerics"] = numerics
     return result

@@ -278,6 +278,14 @@ class GreedyAgreement:
     our_token: int | None
     oracle_token: int | None
     n_decisive_disagree: int  # disagreements whose oracle margin is not a near-tie
+    # every disagreement (given our logits): step, tokens, oracle top-2 gap, oracle margin over our token, the
+    # largest |our logit - oracle logit| at that step, and whether it is a within-noise tie (margin < that)
+    disagreements: list = field(default_factory=list)
+
+    @property
+    def untied(self) -> list:
+        """The disagreements that are not within-noise ties (needs our logits; empty without them)."""
+        return [d for d in self.disagreements if not d["tie"]]
 
     @property
     def all_agree(self) -> bool:
@@ -294,11 +302,17 @@ class GreedyAgreement:
         return s
 
 
-def greedy_agreement(our_ids: Sequence[int], oracle_rescore_logits, near_tie: float = NEAR_TIE) -> GreedyAgreement:
+def greedy_agreement(
+    our_ids: Sequence[int], oracle_rescore_logits, near_tie: float = NEAR_TIE, our_logits=None
+) -> GreedyAgreement:
     """Compare our greedy continuation with the oracle's decisions on the same prefixes.
 
     `oracle_rescore_logits` is `LlamaCppOracle.rescore(prefix, our_ids)`: row k is the oracle's
     logits after prefix + our_ids[:k], so its argmax is the oracle's decision for step k.
+    `our_logits` (same shape: row k is ours behind our_ids[k]) lists every disagreement with its noise: a
+    within-noise tie is one where the oracle prefers its token over ours by less than the largest |Δ logit|
+    between the two implementations at that step (the oracle's margin over our token: its top-2 gap when ours
+    is its second choice, larger otherwise).
     """
     ids = np.asarray(list(our_ids), dtype=np.int64)
     logits = _as2d(oracle_rescore_logits) if len(ids) else np.zeros((0, 1))
@@ -311,6 +325,24 @@ def greedy_agreement(our_ids: Sequence[int], oracle_rescore_logits, near_tie: fl
     # margin: how much the oracle prefers its choice over ours (>= its top-2 gap); a near-tie when tiny
     margins = logits[bad, choice[bad]] - logits[bad, ids[bad]] if len(bad) else np.zeros(0)
     n_decisive = int(np.sum(margins >= near_tie))
+    disagreements = []
+    if our_logits is not None and len(bad):
+        ours = _as2d(our_logits)
+        if ours.shape != logits.shape:
+            raise ValueError(f"greedy_agreement: our logits {ours.shape} vs the oracle's {logits.shape}")
+        for k, margin in zip(bad, margins):
+            noise = float(np.max(np.abs(ours[k] - logits[k])))
+            disagreements.append(
+                {
+                    "step": int(k),
+                    "ours": int(ids[k]),
+                    "oracle": int(choice[k]),
+                    "oracle_top2_gap": float(gaps[k]),
+                    "oracle_margin": float(margin),
+                    "max_abs_delta": noise,
+                    "tie": bool(margin < noise),
+                }
+            )
     if len(bad) == 0:
         return GreedyAgreement(len(ids), int(agree.sum()), agree, None, None, None, None, None, None, 0)
     k = int(bad[0])
@@ -326,4 +358,5 @@ def greedy_agreement(our_ids: Sequence[int], oracle_rescore_logits, near_tie: fl
         our_token=int(ids[k]),
         oracle_token=int(choice[k]),
         n_decisive_disagree=n_decisive,
+        disagreements=disagreements,
     )

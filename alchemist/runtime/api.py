@@ -19,6 +19,8 @@ from alchemist.gguf_io import read_gguf
 from alchemist.ir import ModelIR
 from alchemist.paths import cache_subdir
 from alchemist.runtime.backends import blas_info, require_backend, uses_quantized_kernels
+from alchemist.runtime.numerics import DEFAULT as DEFAULT_NUMERICS
+from alchemist.runtime.numerics import check_numerics, with_numerics
 from alchemist.runtime.sampling import Sampler, SamplingParams
 from alchemist.serve.text import TextStream
 
@@ -50,13 +52,14 @@ class LoadedModel:
     backend: str
     ir: ModelIR
     module_path: Path
-    module: object
-    engine: object
+    module: object  # the generated module as written ("exact" numerics: what alchemist.symbolic differentiates)
+    engine: object  # computes with `numerics` (engine.module: the module, or its numerics copy)
     tokenizer: object | None
     load_seconds: float
     weights_seconds: float
     compile_seconds: float
     peak_rss_mb: float
+    numerics: str = DEFAULT_NUMERICS
     _scheduler: object | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -149,15 +152,18 @@ def load_llm(
     generated_dir: str | os.PathLike | None = None,
     progress: bool = True,
     compile_now: bool = True,
+    numerics: str = DEFAULT_NUMERICS,
 ) -> LoadedModel:
     """Generate (or reuse) the PyTensor module for a GGUF file (or a reference model's name), load its weights
-    and compile decoding."""
+    and compile decoding. `numerics`: "ggml" computes as llama.cpp's CPU backend does (activations rounded to
+    each weight's vec_dot_type, ggml's GELU table), "exact" multiplies exact activations (alchemist.runtime.numerics)."""
     from alchemist.audit import require_passing_audit
     from alchemist.runtime.engine import Engine, import_generated
 
     from alchemist.models import resolve_model
 
     require_backend(backend)
+    check_numerics(numerics)
     t0 = time.perf_counter()
     path = resolve_model(path)  # a file, or a reference model's name ("gemma-3-270m")
     facts = read_gguf(path)
@@ -177,7 +183,7 @@ def load_llm(
         weights = module.load_weights(path, quantized=quantized)
     weights_seconds = time.perf_counter() - t_w
     capacity = max(1, min(int(context), ir.n_ctx_train))
-    engine = Engine(module, weights, backend, capacity)
+    engine = Engine(with_numerics(module, numerics), weights, backend, capacity)
     del weights
     tokenizer = _load_tokenizer(path, facts)
     if compile_now:
@@ -195,6 +201,7 @@ def load_llm(
         weights_seconds=weights_seconds,
         compile_seconds=engine.stats.compile_seconds,
         peak_rss_mb=peak_rss_mb(),
+        numerics=numerics,
     )
 
 
@@ -273,6 +280,7 @@ def _report_head(model, prompt, out_ids, stop_reason) -> dict:
     """The report fields an inference call has whether it ran alone or joined a batch."""
     return {
         "backend": model.backend,
+        "numerics": model.numerics,
         "blas": blas_info() if model.backend == "c" else None,
         "alchemist": __version__,
         "model": model.ir.model_name,

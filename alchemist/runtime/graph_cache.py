@@ -57,6 +57,7 @@ _GRAPH_SOURCES = (
     "runtime/slot_engine.py",
     "runtime/backends.py",
     "runtime/graph_cache.py",
+    "runtime/numerics.py",  # the "ggml" numerics copy's roundings
 )
 
 

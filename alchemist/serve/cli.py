@@ -92,7 +92,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, full_window, log):
+def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, full_window, log, numerics=None):
     from alchemist import load_llm
 
     try:
@@ -101,7 +101,9 @@ def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, full
     except ImportError as e:
         raise AlchemistError(f"alchemist serve needs the slot engine and the scheduler: {e}") from None
 
-    lm = load_llm(model_path, backend=backend, context=context, compile_now=False)
+    from alchemist.runtime.numerics import resolve_numerics
+
+    lm = load_llm(model_path, backend=backend, context=context, compile_now=False, numerics=resolve_numerics(numerics))
     slot_engine = SlotEngine(lm.engine, n_slots=slots, chunk=chunk, full_window=full_window)
     scheduler = Scheduler(slot_engine, lm.tokenizer, max_queue=max_queue)
     from tqdm.auto import tqdm
@@ -138,6 +140,7 @@ def build_server(
     drain: float = DEFAULTS["drain"],
     full_window: bool = DEFAULTS["full_window"],
     log_level: str = "warning",
+    numerics: str | None = None,
 ) -> ServerHandle:
     """Everything `alchemist serve` runs, unstarted. Pass `scheduler` (and `tokenizer`) to skip loading the model."""
     try:
@@ -158,7 +161,7 @@ def build_server(
     try:
         if scheduler is None:
             scheduler, tokenizer = _build_scheduler(
-                model_path, backend, slots, context, chunk, max_queue, full_window, log
+                model_path, backend, slots, context, chunk, max_queue, full_window, log, numerics
             )
     except BaseException:
         sock.close()
@@ -183,7 +186,7 @@ def run_serve(args) -> int:
     handle = build_server(
         args.model, backend=args.backend, slots=args.slots, context=args.context, chunk=args.chunk, host=args.host,
         port=args.port, max_queue=args.max_queue, drain=args.drain, model_id=args.model_id,
-        full_window=args.full_window,
+        full_window=args.full_window, numerics=getattr(args, "numerics", None),
     )  # fmt: skip
     handle.run()
     return 0
