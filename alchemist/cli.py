@@ -209,7 +209,7 @@ def _prompt_ids(args) -> list[int]:
 
 def _cmd_validate(args) -> int:
     from alchemist.codegen import module_slug
-    from alchemist.harness.validate import attribution_text, validate_model, write_validation
+    from alchemist.harness.validate import validate_model, write_validation
     from alchemist.runtime.backends import BACKENDS
 
     backends = list(BACKENDS) if args.backend == "all" else args.backend.split(",")
@@ -223,9 +223,6 @@ def _cmd_validate(args) -> int:
     )
     stem = module_slug(Path(args.model).name) + _numerics_suffix(report["numerics"])
     paths = write_validation(report, args.output, stem)
-    for backend, res in report["backends"].items():
-        if res.get("attribution"):
-            print(f"{backend}: {attribution_text(res['attribution'])}")
     print(
         f"validation {'PASSED' if report['passed'] else 'FAILED'} (numerics {report['numerics']}); reports: "
         + ", ".join(map(str, paths))
