@@ -288,8 +288,9 @@ def _cmd_chat(args) -> int:
     from alchemist.runtime.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.repeat_penalty, args.seed)
+    numerics = _numerics(args)
     return run_chat(
-        args.model, args.backend, args.context, args.system, args.max_tokens, params, args.chunk, numerics=_numerics(args)
+        args.model, args.backend, args.context, args.system, args.max_tokens, params, args.chunk, numerics=numerics
     )
 
 

@@ -40,6 +40,19 @@ def test_unknown_numerics_is_a_clear_error(tiny_gguf):
     assert exit_info.value.code == 2
 
 
+def test_every_model_loading_command_takes_numerics():
+    from alchemist.cli import _numerics, build_parser
+
+    parser = build_parser()
+    for command in (["run", "m"], ["chat", "m"], ["serve", "m"], ["validate", "m"], ["diff", "m"], ["perplexity", "m", "f"]):
+        assert _numerics(parser.parse_args(command)) == "ggml"  # the default
+        assert _numerics(parser.parse_args(command + ["--numerics", "exact"])) == "exact"
+    for command in (["validate", "m"], ["diff", "m"], ["perplexity", "m", "f"]):  # the older flag still works
+        assert _numerics(parser.parse_args(command + ["--llamacpp-rounding"])) == "ggml"
+        with pytest.raises(AlchemistError, match="contradicts numerics='exact'"):
+            _numerics(parser.parse_args(command + ["--llamacpp-rounding", "--numerics", "exact"]))
+
+
 def test_the_ggml_copy_leaves_the_generated_module_alone(tiny_module):
     from alchemist.harness.emulate import emulating_llamacpp
 
@@ -117,7 +130,8 @@ def test_a_ggml_engine_loads_from_the_graph_cache(q4k_file, graph_dir, tmp_path)
     first = Engine(with_numerics(exact.module, "ggml"), weights, "c", CONTEXT)
     expected = _generate(first)
     assert first.stats.graph_cache_hits == 0 and first.stats.compile_count == 2
-    exact_key, ggml_key = Engine(exact.module, weights, "c", CONTEXT)._graph_cache_key(1, False), first._graph_cache_key(1, False)
+    exact_key = Engine(exact.module, weights, "c", CONTEXT)._graph_cache_key(1, False)
+    ggml_key = first._graph_cache_key(1, False)
     assert exact_key and ggml_key and exact_key != ggml_key
 
     second = Engine(with_numerics(exact.module, "ggml"), weights, "c", CONTEXT)  # a fresh copy, another engine

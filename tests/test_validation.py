@@ -45,7 +45,6 @@ def test_thresholds_are_the_documented_bar():
         "exact_nmse": 1e-6,
         "mean_kl": 0.02,
         "mean_pearson": 0.999,
-        "greedy_min_agree": 31 / 32,
     }
 
 
@@ -201,43 +200,29 @@ def test_cli_reports_with_charts(fixture_files, tmp_path, capsys, png_size):
     assert diff["first_divergence"] is None and diff["chart"] == "llama_f32_diff_c.png" and len(diff["rows"]) >= 8
 
 
-# Not strict: on an AVX2 VM (2026-12-04) the same module and GGUF gave 29/32 in one run and >= 31/32 in the next;
-# the disagreements sit at near-ties that llama.cpp's own 2-thread summation order decides. Any failure other
-# than the greedy bar (an exception, the prompt KL or top-1) still fails the test (raises=AssertionError checks
-# only the bar's assertion). #19 replaces this with the within-noise-tie check.
-QWEN_GREEDY = pytest.mark.xfail(
-    strict=False,
-    raises=AssertionError,
-    reason="measured: 29/32 fresh-prefix greedy decisions agree on every backend (C, Numba, JAX, MLX; bar: 31); "
-    "prompt KL/top-1 pass. Located with `alchemist diff` and numpy: from llama.cpp's own layer inputs, dequantize "
-    "+ its Q8_0/Q8_K activation rounding reproduces its layer-0 q/k/v and layer-0/1 FFN outputs to NMSE ~1e-13, "
-    "while that rounding alone puts NMSE 2.9e-4 on one FFN output, and a 1e-10 input perturbation becomes 1e-5 "
-    "after it (outlier blocks). With the rounding emulated bit-exactly (--llamacpp-rounding) 30/32, KL 9.9e-4: "
-    "no op of ours diverges; what remains is the oracle's activation quantization, amplified",
-)
-
-
-@pytest.mark.parametrize(
-    "name, backend",
-    [
-        ("gemma-3-270m", "c"),
-        ("gemma-3-270m", "numba"),
-        pytest.param("qwen2.5-coder-0.5b", "c", marks=QWEN_GREEDY),
-    ],
-)
-def test_reference_models(reference_models, name, backend, tmp_path):
+# The bar of #19 on the reference models, computing as llama.cpp does (numerics "ggml"): mean KL <= 0.02, mean Pearson
+# >= 0.999, top-1 at every prompt position, and every fresh-prefix greedy disagreement a within-noise tie (the
+# oracle prefers its token over ours by less than the largest |Δ logit| between the two at that step). It
+# replaces the greedy count (31/32) that qwen2.5-coder missed with exact numerics (29/32, at near-ties that
+# llama.cpp's activation rounding decides: `alchemist validate --numerics exact` attributes them).
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["c", "numba"])
+@pytest.mark.parametrize("name", ["gemma-3-270m", "qwen2.5-coder-0.5b"])
+def test_reference_models(reference_models, name, backend):
     from alchemist.tokenizer import load_tokenizer
 
     path = str(reference_models[name])
     prompt = load_tokenizer(path).encode("What's causal inference? Causal inference is the study of how")
-    report = validate_model(path, [backend], prompt=prompt, n_generate=32, context=128, n_threads=2, progress=None)
+    report = validate_model(
+        path, [backend], prompt=prompt, n_generate=32, context=128, n_threads=2, progress=None, numerics="ggml"
+    )
     res = report["backends"][backend]
-    others = [f for f in res["failures"] if not f.startswith("greedy:")]
-    if (
-        others
-        or not res["prompt"]["mean_kl"] <= THRESHOLDS["mean_kl"]
-        or not np.isfinite(res["prompt"]["mean_pearson"])
-    ):
-        pytest.fail(f"{others}; KL {res['prompt']['mean_kl']}")  # not an AssertionError: never excused by an xfail
-    assert res["greedy"]["n_agree"] >= 31, res["failures"]
+    print(f"\n{name} [{backend}, ggml]: prompt {res['prompt']['top1_agree']}/{len(prompt)}, "
+          f"KL {res['prompt']['mean_kl']:.3g}, Pearson {res['prompt']['mean_pearson']:.6f}, greedy "
+          f"{res['greedy']['n_agree']}/32, disagreements {res['greedy']['disagreements']}")
+    assert report["numerics"] == "ggml" and res["numerics"] == "ggml"
+    assert res["prompt"]["mean_kl"] <= THRESHOLDS["mean_kl"] and res["prompt"]["mean_pearson"] >= THRESHOLDS["mean_pearson"]
+    assert res["prompt"]["top1_agree"] == len(prompt), res["prompt"]["disagreements"]
+    untied = [d for d in res["greedy"]["disagreements"] if not d["tie"]]
+    assert not untied, untied
     assert res["passed"], res["failures"]

@@ -234,8 +234,11 @@ def _check_shared_engine(engine, loaded: LoadedForValidation) -> None:
     """An engine passed to validate_backend must compute with `loaded`'s numerics: "ggml" rounds by the weight
     types of its own file, so its engine cannot be reused for a file of other weight types."""
     ours, theirs = numerics_of(engine.module), loaded.numerics
-    same_types = {n: t[0] for n, t in engine.module.TENSORS.items()} == {n: t[0] for n, t in loaded.module.TENSORS.items()}
-    if ours != theirs or (ours != "exact" and not same_types):
+
+    def types(module) -> dict:
+        return {name: spec[0] for name, spec in module.TENSORS.items()}
+
+    if ours != theirs or (ours != "exact" and types(engine.module) != types(loaded.module)):
         raise AlchemistError(
             f"validate_backend: the engine computes with numerics={ours!r} for its own file's weight types, "
             f"{loaded.path} needs numerics={theirs!r} for its own; share engines across weight types with "
@@ -258,14 +261,18 @@ def attribute_to_rounding(
     ggml_loaded = load_for_validation(path, numerics="ggml")
     ggml = validate_backend(ggml_loaded, backend, oracle, prompt, n_generate, context, quantized=quantized)
     size = max(context, len(prompt) + 1)
-    ours = {
-        loaded.numerics: tap_values(Engine(loaded.module, loaded.weights_for(backend, quantized), backend, size), prompt)
-        for loaded in (exact_loaded, ggml_loaded)
-    }
+    ours = {}
+    for loaded in (exact_loaded, ggml_loaded):
+        engine = Engine(loaded.module, loaded.weights_for(backend, quantized), backend, size)
+        ours[loaded.numerics] = tap_values(engine, prompt)
     order, theirs = oracle.shared_intermediates(prompt, ours["exact"])
     names = [n for n in order if n.startswith("l_out-")] or order  # the layer outputs (else every shared tensor)
     layers = [
-        {"tensor": n, "exact_nmse": float(nmse(ours["exact"][n], theirs[n])), "ggml_nmse": float(nmse(ours["ggml"][n], theirs[n]))}
+        {
+            "tensor": n,
+            "exact_nmse": float(nmse(ours["exact"][n], theirs[n])),
+            "ggml_nmse": float(nmse(ours["ggml"][n], theirs[n])),
+        }
         for n in names
         if n in theirs and n in ours["ggml"]
     ]
@@ -292,7 +299,8 @@ def attribute_to_rounding(
 def attribution_text(attribution: dict) -> str:
     """One line: the verdict and its headline evidence."""
     g = attribution["ggml"]
-    line = f"{attribution['verdict']}: with numerics ggml {'PASS' if g['passed'] else 'FAIL'} (mean KL {g['mean_kl']:.3g}"
+    line = f"{attribution['verdict']}: with numerics ggml {'PASS' if g['passed'] else 'FAIL'}"
+    line += f" (mean KL {g['mean_kl']:.3g}"
     line += f", greedy {g['greedy']})" if g["greedy"] else ")"
     if attribution["first_exact_divergence"]:
         line += (
@@ -398,10 +406,10 @@ def to_markdown(report: dict) -> str:
             f"{'PASS' if r['passed'] else 'FAIL: ' + '; '.join(r['failures'])} |"
         )
     for b, r in report["backends"].items():
-        ties = [d for d in (r.get("greedy") or {}).get("disagreements", [])]
+        ties = (r.get("greedy") or {}).get("disagreements", [])
         if ties:
-            lines += ["", f"Greedy disagreements ({b}): the oracle's margin over our token vs max |Δ logit| at that step", ""]
-            lines += ["| step | ours | oracle | oracle top-2 gap | oracle margin | max abs Δ logit | within-noise tie |"]
+            lines += ["", f"Greedy disagreements ({b}): the oracle's margin over our token vs max |Δ logit| there", ""]
+            lines += ["| step | ours | oracle | oracle top-2 gap | oracle margin | max abs Δ | within-noise tie |"]
             lines += ["| --- | --- | --- | --- | --- | --- | --- |"]
             lines += [
                 f"| {d['step']} | {d['ours']} | {d['oracle']} | {d['oracle_top2_gap']:.3g} | {d['oracle_margin']:.3g} | "
@@ -411,7 +419,8 @@ def to_markdown(report: dict) -> str:
         if r.get("attribution"):
             a = r["attribution"]
             lines += ["", f"Attribution ({b}): **{a['verdict']}**. {attribution_text(a)}", ""]
-            lines += ["| layer output | NMSE exact vs llama.cpp | NMSE ggml vs llama.cpp | |", "| --- | --- | --- | --- |"]
+            lines += ["| layer output | NMSE exact vs llama.cpp | NMSE ggml vs llama.cpp | |"]
+            lines += ["| --- | --- | --- | --- |"]
             lines += [
                 f"| {row['tensor']} | {row['exact_nmse']:.3e} | {row['ggml_nmse']:.3e} | "
                 f"{'first exact divergence' if row['tensor'] == a['first_exact_divergence'] else ''} |"

@@ -156,7 +156,7 @@ def load_llm(
 ) -> LoadedModel:
     """Generate (or reuse) the PyTensor module for a GGUF file (or a reference model's name), load its weights
     and compile decoding. `numerics`: "ggml" computes as llama.cpp's CPU backend does (activations rounded to
-    each weight's vec_dot_type, ggml's GELU table), "exact" multiplies exact activations (alchemist.runtime.numerics)."""
+    each weight's vec_dot_type, ggml's GELU table), "exact" multiplies exact activations (runtime.numerics)."""
     from alchemist.audit import require_passing_audit
     from alchemist.runtime.engine import Engine, import_generated
 
