@@ -5,7 +5,9 @@
 
 Every expression reads the model's weights as the engine's shared variables (nothing is copied), runs a fresh
 sequence from position 0 (its own zero KV cache, not the engine's) and is built from the generated module's
-`forward`, so it computes exactly what inference does.
+`forward` as written (numerics "exact"), so it computes exactly what inference does with load_llm(...,
+numerics="exact"). A model loaded with the default numerics "ggml" infers with llama.cpp's activation rounding
+(alchemist.runtime.numerics), whose rounding steps have no useful gradient; its expressions stay exact.
 
 What is differentiable:
 - with respect to activations and the input embeddings, always: the quantized kernels' gradient with respect

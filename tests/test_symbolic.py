@@ -27,8 +27,9 @@ def models(fixture_files):
 
     def get(arch, wtype):
         if (arch, wtype) not in cache:
+            # numerics "exact": the expressions are the generated module's (differentiable), the engine must match
             cache[arch, wtype] = load_llm(
-                fixture_files(arch, wtype), backend="c", context=64, progress=False, compile_now=False
+                fixture_files(arch, wtype), backend="c", context=64, progress=False, compile_now=False, numerics="exact"
             )
         return cache[arch, wtype]
 
