@@ -65,9 +65,10 @@ __all__ = [
 ]
 
 
-def quantized_linear(x, w_blocks, ggml_type: str, n_out: int, n_in: int):
-    """x (T, n_in) float32 @ dequant(w_blocks).T -> (T, n_out) float32, w_blocks (n_out, row_bytes) uint8."""
-    return QuantizedMatmul(ggml_type, n_out, n_in)(x, w_blocks)
+def quantized_linear(x, w_blocks, ggml_type: str, n_out: int, n_in: int, numerics: str = "exact"):
+    """x (T, n_in) float32 @ dequant(w_blocks).T -> (T, n_out) float32, w_blocks (n_out, row_bytes) uint8.
+    numerics="ggml": each row of x rounded first to llama.cpp's activation blocks (integer kernels on C)."""
+    return QuantizedMatmul(ggml_type, n_out, n_in, numerics)(x, w_blocks)
 
 
 def quantized_embedding(w_blocks, indices, ggml_type: str, n_rows: int, n_in: int):
@@ -80,11 +81,13 @@ def quantized_embedding(w_blocks, indices, ggml_type: str, n_rows: int, n_in: in
     return QuantizedEmbedding(ggml_type, n_rows, n_in)(w_blocks, indices)
 
 
-def quantized_expert_linear(x, w_blocks, ids, ggml_type: str, n_expert: int, n_out: int, n_in: int):
+def quantized_expert_linear(
+    x, w_blocks, ids, ggml_type: str, n_expert: int, n_out: int, n_in: int, numerics: str = "exact"
+):
     """Mixture of experts: x (T, n_in) or (T, K, n_in) float32, w_blocks (n_expert, n_out, row_bytes) uint8, ids
     (T, K) int -> (T, K, n_out) float32 with y[t, j] = x[t] (or x[t, j]) @ dequant(w_blocks[ids[t, j]]).T.
     Only the experts in ids are read; on JAX/MLX (static T) their blocks are taken and dequantized in the graph."""
-    return QuantizedExpertMatmul(ggml_type, n_expert, n_out, n_in)(x, w_blocks, ids)
+    return QuantizedExpertMatmul(ggml_type, n_expert, n_out, n_in, numerics)(x, w_blocks, ids)
 
 
 def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...], copy: bool = True) -> np.ndarray:
