@@ -101,7 +101,7 @@ class GeluTable(COp):
             raise TypeError(f"GeluTable: x must be float32, got {x.type}")
         return Apply(self, [x], [x.type()])
 
-    def infer_shape(self, fgraph, node, shapes):
+    def infer_shape(self, node, shapes):
         return [shapes[0]]
 
     def perform(self, node, inputs, output_storage):
