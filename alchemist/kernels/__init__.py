@@ -24,7 +24,19 @@ Per backend (Ops `QuantizedMatmul`, `QuantizedEmbedding`):
             - correct, but dequantizes the whole weight on every call (keep float32 weights there)
   other     `perform`: gguf-py's numpy dequantizer, then a numpy dot
 
-Numerics (all float32; results equal dequantize-then-matmul up to float32 summation order):
+Two numerics (the `numerics=` keyword of quantized_linear / quantized_expert_linear):
+  "exact"  float32 products with the exactly dequantized weights (differentiable; the reference for gradients)
+  "ggml"   llama.cpp's CPU arithmetic: each activation row rounded to the weight type's vec_dot_type blocks
+           (Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants), then
+           C, T < 16    integer dot products per 32 quants (AVX2 maddubs, ggml's sign trick) scaled per sub-block;
+                        bit-identical to ggml's vec_dot for Q4_0/Q5_0/Q8_0/Q4_1/Q5_1, float32 eps otherwise
+           C, T >= 16   the activation blocks dequantized, then the exact path's float kernel (same values)
+           Numba, JAX, MLX  dequant(quant(x)) (alchemist.kernels.activations / graph_rounding), then the exact
+                        product; Q4_1/Q5_1 differ from ggml in the offset term (~1e-3 relative), which ggml takes
+                        from Q8_1's fp16 block sum
+  GELU: `gelu_table` (alchemist.kernels.gelu) is ggml's fp16 lookup table, exact on C and Numba.
+
+Exact numerics (all float32; results equal dequantize-then-matmul up to float32 summation order):
   C, T < 16    per sub-block of 16/32 weights: dl * sum(q * x) (+ mb * sum(x)), dl and mb computed as gguf-py
                does, vector lanes summed pairwise; row t of a T-token product == the 1-token product
   C, T >= 16   exact gguf-py dequantization (bit for bit, no FMA contraction) of a panel, then sgemm
@@ -38,6 +50,7 @@ from __future__ import annotations
 import numpy as np
 
 from alchemist.kernels.formats import BLOCK_SIZES, SUPPORTED_TYPES, block_size, dequantize_rows, row_bytes
+from alchemist.kernels.gelu import gelu_table
 from alchemist.kernels.op import (
     QuantizedEmbedding,
     QuantizedExpertMatmul,
@@ -57,6 +70,7 @@ __all__ = [
     "dequantize_experts_then_matmul",
     "dequantize_rows",
     "dequantize_then_dot",
+    "gelu_table",
     "quantized_embedding",
     "quantized_expert_linear",
     "quantized_linear",

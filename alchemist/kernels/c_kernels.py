@@ -25,6 +25,7 @@ gguf-py does (float32, no FMA contraction) and multiplied by sgemm, i.e. literal
 without ever holding more than one panel in float32.
 run_experts (the mixture-of-experts product) groups the (token, rank) pairs by their expert and runs each chosen
 expert's rows through the same kernel, its routed tokens as the batch; unchosen experts are never read.
+numerics="ggml" (run_ggml): llama.cpp's arithmetic, see the "ggml numerics" section below.
 Output rows are split across OpenMP threads (when compiled with -fopenmp and the weights exceed 64 KB);
 weights are software-prefetched 4 KB ahead.
 """
