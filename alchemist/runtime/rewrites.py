@@ -17,29 +17,34 @@ _registered = False
 
 
 def _reuse_partial_sums(fgraph) -> int:
-    """Rewrite each add whose leading inputs (two or more) are exactly an earlier add's inputs, in the same order,
+    """Rewrite each add whose leading inputs (two or more) are exactly another add's inputs, in the same order,
     as add(that add's output, remaining inputs). Returns how many were rewritten."""
     from pytensor.scalar import add as scalar_add
     from pytensor.tensor.elemwise import Elemwise
 
-    seen: dict[tuple, object] = {}  # an add's inputs when first visited -> its output (as rewritten)
+    adds = [
+        node
+        for node in fgraph.toposort()
+        if isinstance(node.op, Elemwise) and node.op.scalar_op == scalar_add and len(node.inputs) >= 2
+    ]
+    # an add's inputs -> its output as it is now; the shorter sums are rewritten first, so a longer one always
+    # finds the current output of its prefix (never a variable already replaced). The prefix's inputs come
+    # before this add in the graph, so using it cannot make a cycle.
+    current = {tuple(node.inputs): node.outputs[0] for node in adds}
     changed = 0
-    for node in fgraph.toposort():
-        if not (isinstance(node.op, Elemwise) and node.op.scalar_op == scalar_add) or node not in fgraph.apply_nodes:
-            continue
+    for node in sorted(adds, key=lambda n: len(n.inputs)):
         inputs = tuple(node.inputs)
         out = node.outputs[0]
-        for cut in range(len(inputs) - 1, 1, -1):  # the longest earlier prefix first
-            partial = seen.get(inputs[:cut])
-            if partial is None:
+        for cut in range(len(inputs) - 1, 1, -1):  # the longest prefix first
+            partial = current.get(inputs[:cut])
+            if partial is None or partial.owner not in fgraph.apply_nodes:
                 continue
             new = node.op(partial, *inputs[cut:])
             if new.type == out.type or out.type.is_super(new.type):
                 fgraph.replace(out, new, reason="reuse_partial_sums", import_missing=True)
-                out = new
+                current[inputs] = new
                 changed += 1
                 break
-        seen.setdefault(inputs, out)
     return changed
 
 
