@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from alchemist.runtime import engine as engine_mod  # configures PyTensor before it is imported below
 from alchemist.runtime.compile_progress import CompileEvent, TqdmProgress
