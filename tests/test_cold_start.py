@@ -57,7 +57,7 @@ def test_reuse_partial_sums_keeps_residual_adds_binary_and_bit_identical():
 
 
 def test_tqdm_progress_draws_phase_and_counts(capsys):
-    bar = TqdmProgress()
+    bar = TqdmProgress(delay=0, min_interval=0)
     bar(CompileEvent("decode", "rewriting"))
     bar(CompileEvent("decode", "linking", done=0, total=5))
     bar(CompileEvent("decode", "linking", done=3, total=5, compiled=2))
@@ -66,6 +66,11 @@ def test_tqdm_progress_draws_phase_and_counts(capsys):
     assert "decode: rewriting graph" in err
     assert "decode: linking" in err and "3/5 C modules" in err and "2 built with g++" in err
     assert bar.bar is None  # closed at "done"
+
+    quiet = TqdmProgress()  # a compile that ends within its delay (a cached graph's link) draws nothing
+    quiet(CompileEvent("decode", "linking", done=0, total=5))
+    quiet(CompileEvent("decode", "done", done=5, total=5))
+    assert quiet.bar is None and capsys.readouterr().err == ""
 
 
 def _engine(tiny_module):

@@ -156,48 +156,66 @@ def install() -> None:
 class TqdmProgress:
     """A CompileEvent callback drawing one tqdm bar on stderr per tracked compile (removed when it ends).
 
-    While rewriting, nothing reports back until the rewrites finish, so a thread redraws the elapsed time
-    every half second."""
+    The bar appears once a compile has taken `delay` seconds (linking a cached graph, ~0.5 s, shows nothing)
+    and is redrawn at most every `min_interval` seconds; while rewriting, nothing reports back until the
+    rewrites finish, so a thread redraws the elapsed time."""
 
-    def __init__(self, leave: bool = False):
+    def __init__(self, delay: float = 0.5, min_interval: float = 0.1, leave: bool = False):
+        self.delay = delay
+        self.min_interval = min_interval
         self.leave = leave
         self.bar = None
+        self._event: CompileEvent | None = None
+        self._t0 = 0.0
+        self._drawn = 0.0
         self._ticker: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
 
     def __call__(self, event: CompileEvent) -> None:
-        from tqdm.auto import tqdm
-
         with self._lock:
             if event.phase == "done":
                 self._close()
                 return
-            if self.bar is None:
-                self.bar = tqdm(total=None, desc=event.label, bar_format="{desc} {elapsed}", leave=self.leave)
+            now = time.perf_counter()
+            if self._event is None:
+                self._t0 = now
                 self._stop.clear()
                 self._ticker = threading.Thread(target=self._tick, daemon=True)
                 self._ticker.start()
-            bar = self.bar
-            if event.phase == "rewriting":
-                bar.set_description_str(f"{event.label}: rewriting graph", refresh=False)
-            else:
-                if bar.total != event.total:
-                    bar.bar_format = "{desc} {bar} {n_fmt}/{total_fmt} C modules [{elapsed}{postfix}]"
-                    bar.total = event.total
-                bar.set_description_str(f"{event.label}: linking", refresh=False)
-                bar.n = event.done
-                bar.set_postfix_str(f"{event.compiled} built with g++", refresh=False)
-            bar.refresh()
+            self._event = event
+            if now - self._t0 >= self.delay and now - self._drawn >= self.min_interval:
+                self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        from tqdm.auto import tqdm
+
+        event = self._event
+        if self.bar is None:
+            self.bar = tqdm(total=None, desc=event.label, bar_format="{desc} {elapsed}", leave=self.leave)
+        bar = self.bar
+        if event.phase == "rewriting":
+            bar.set_description_str(f"{event.label}: rewriting graph", refresh=False)
+        else:
+            if bar.total != event.total:
+                bar.bar_format = "{desc} {bar} {n_fmt}/{total_fmt} C modules [{elapsed}{postfix}]"
+                bar.total = event.total
+            bar.set_description_str(f"{event.label}: linking", refresh=False)
+            bar.n = event.done
+            bar.set_postfix_str(f"{event.compiled} built with g++", refresh=False)
+        bar.refresh()
+        self._drawn = now
 
     def _tick(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(0.25):
             with self._lock:
-                if self.bar is not None:
-                    self.bar.refresh()
+                now = time.perf_counter()
+                if self._event is not None and now - self._t0 >= self.delay:
+                    self._draw(now)
 
     def _close(self) -> None:
         self._stop.set()
+        self._event = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None
