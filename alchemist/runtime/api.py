@@ -179,6 +179,10 @@ def load_llm(
     capacity = max(1, min(int(context), ir.n_ctx_train))
     engine = Engine(module, weights, backend, capacity)
     del weights
+    if progress:  # a bar while a step function compiles: rewriting, then C modules linked / total
+        from alchemist.runtime.compile_progress import TqdmProgress
+
+        engine.compile_progress = TqdmProgress()
     tokenizer = _load_tokenizer(path, facts)
     if compile_now:
         engine.step_function(1)
@@ -196,6 +200,29 @@ def load_llm(
         compile_seconds=engine.stats.compile_seconds,
         peak_rss_mb=peak_rss_mb(),
     )
+
+
+def precompile(model: LoadedModel, input=None, chat: bool | None = None, add_special_tokens: bool = True) -> float:
+    """Compile (or link from the graph cache) the step functions inference(model, input) will run: the prompt's
+    prefill buckets and decode, pipelined (see Engine.precompile), so that a cold start rewrites one graph while
+    the other's C modules build. Without `input`, decode only. The time is added to model.load_seconds and
+    model.compile_seconds (as load_llm's own decode compile is); returns it."""
+    engine = model.engine
+    keys = []
+    if input is not None:
+        prompt, _ = _prompt_ids(model, input, chat, add_special_tokens)
+        pos, left = 0, min(len(prompt), engine.capacity)
+        while left > 0 and len(prompt) > 1:  # the chunks engine.run cuts a prompt into (one token: decode)
+            b = engine.bucket(left, pos)
+            keys.append((b, False))
+            pos, left = pos + min(b, left), left - min(b, left)
+    keys.append((1, False))
+    t0 = time.perf_counter()
+    engine.precompile(keys)
+    seconds = time.perf_counter() - t0
+    model.load_seconds += seconds
+    model.compile_seconds = engine.stats.compile_seconds
+    return seconds
 
 
 def _prompt_ids(model: LoadedModel, input, chat: bool | None, add_special_tokens: bool) -> tuple[list[int], dict]:
@@ -431,4 +458,4 @@ def _inference_batched(model, prompt, info, max_tokens, params, stop, stream, va
     return result
 
 
-__all__ = ["InferenceResult", "LoadedModel", "inference", "load_llm", "write_generated", "asdict"]
+__all__ = ["InferenceResult", "LoadedModel", "inference", "load_llm", "precompile", "write_generated", "asdict"]

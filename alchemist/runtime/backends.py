@@ -126,9 +126,14 @@ def get_mode(name: str):
     require_backend(name)
     from pytensor.compile.mode import Mode, get_mode as pytensor_mode
 
+    from alchemist.runtime import rewrites
+
+    rewrites.register()
     if name == "c":
-        return Mode(linker="cvm", optimizer="fast_run")
-    return pytensor_mode({"numba": "NUMBA", "jax": "JAX", "mlx": "MLX"}[name])
+        return Mode(linker="cvm", optimizer="fast_run").including(rewrites.TAG)
+    mode = pytensor_mode({"numba": "NUMBA", "jax": "JAX", "mlx": "MLX"}[name])
+    # Numba compiles each distinct fused Composite too; JAX and MLX fuse on their own
+    return mode.including(rewrites.TAG) if name == "numba" else mode
 
 
 def static_shapes(name: str) -> bool:
