@@ -158,7 +158,7 @@ def load_llm(
     weights: "quantized" keeps quantized tensors in their GGUF blocks (on C and Numba, read-only views of the
     file's memory map: no copy); "float32" dequantizes them once at load. None: the backend's default
     (alchemist.runtime.backends.default_weights: quantized on C and Numba, float32 on JAX and MLX, where the
-    quantized graph dequantizes every weight on every step: less memory, slower decoding)."""
+    quantized graph dequantizes every weight on every step: less steady memory, much slower decoding)."""
     from alchemist.audit import require_passing_audit
     from alchemist.runtime.engine import Engine, import_generated
 

@@ -146,8 +146,9 @@ WEIGHT_FORMATS = ("quantized", "float32")
 
 def default_weights(name: str) -> str:
     """The weight format a backend gets unless asked: "quantized" where kernels multiply GGUF blocks; "float32"
-    on JAX and MLX, where dequantizing every weight on every step made decoding 2x (JAX) and 12x (MLX) slower
-    on gemma-3-270m (benchmarks/memory.py) for ~0.6 GB (JAX) or ~1.3 GB (MLX) less peak RSS."""
+    on JAX and MLX, where the graph dequantizes every weight on every step: on gemma-3-270m (benchmarks/memory.py)
+    decoding was 2-5x (JAX) and 10-12x (MLX) slower, and peak RSS hardly lower (the dequantized temporaries of a
+    prefill step are float32 weights again: JAX 1.9 GB vs 2.2, MLX 2.3 GB vs 2.2), though steady RSS is lower."""
     return "quantized" if name in KERNEL_BACKENDS else "float32"
 
 
