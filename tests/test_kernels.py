@@ -228,9 +228,9 @@ def test_shape_errors():
 
 def test_as_blocks_is_a_view():
     raw = np.zeros(4 * 68, np.uint8)
-    blocks = as_blocks(raw, "Q8_0", (4, 64), copy=False)
+    blocks = as_blocks(raw, "Q8_0", (4, 64))  # the default: zero-copy
     assert blocks.shape == (4, 68) and np.shares_memory(blocks, raw)
-    copied = as_blocks(raw, "Q8_0", (4, 64))
+    copied = as_blocks(raw, "Q8_0", (4, 64), copy=True)
     assert copied.flags.c_contiguous and copied.flags.writeable and not np.shares_memory(copied, raw)
 
 

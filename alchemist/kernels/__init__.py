@@ -21,7 +21,7 @@ Per backend (Ops `QuantizedMatmul`, `QuantizedEmbedding`):
   Numba     njit(parallel=True) drivers per type, prange over output rows; T >= 16: panels + np.dot
             (alchemist/kernels/numba_kernels.py); registered with PyTensor's Numba dispatch on first use
   JAX, MLX  rewritten (rewrite tagged "jax"/"mlx" only) into plain PyTensor ops: dot(x, dequantize_rows(w).T)
-            - correct, but dequantizes the whole weight on every call (keep float32 weights there)
+            - correct, but dequantizes the whole weight on every call
   other     `perform`: gguf-py's numpy dequantizer, then a numpy dot
 
 Two numerics (the `numerics=` keyword of quantized_linear / quantized_expert_linear):
@@ -104,13 +104,14 @@ def quantized_expert_linear(
     return QuantizedExpertMatmul(ggml_type, n_expert, n_out, n_in, numerics)(x, w_blocks, ids)
 
 
-def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...], copy: bool = True) -> np.ndarray:
+def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...], copy: bool = False) -> np.ndarray:
     """A tensor's raw GGUF bytes (flat uint8) -> the (n_out, row_bytes) uint8 matrix `quantized_linear` takes.
 
     shape is numpy order (n_out, n_in); a stack of matrices (n_experts, n_out, n_in) gives
-    (n_experts, n_out, row_bytes). By default the result is a private C-contiguous copy (a numpy
-    allocation, which numpy backs with huge pages, and independent of the file's memory map: ~0.1 s for
-    250 MB); copy=False returns a view of `raw`.
+    (n_experts, n_out, row_bytes). By default the result is a view of `raw` (zero-copy: for a generated
+    module's load_weights, a read-only view into the GGUF file's memory map, which the view keeps open; its
+    pages are the page cache's, shared with every process that maps the file, and count once in RSS).
+    copy=True returns a private, writeable C-contiguous copy instead (~0.1 s and the tensor's size again).
     """
     *lead, n_in = shape  # (n_out, n_in), or (n_expert, n_out, n_in) for a mixture's experts
     n_rows = int(np.prod(lead, dtype=np.int64))

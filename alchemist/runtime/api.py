@@ -18,7 +18,7 @@ from alchemist.errors import AlchemistError
 from alchemist.gguf_io import read_gguf
 from alchemist.ir import ModelIR
 from alchemist.paths import cache_subdir
-from alchemist.runtime.backends import blas_info, require_backend, uses_quantized_kernels
+from alchemist.runtime.backends import blas_info, check_weights, require_backend
 from alchemist.runtime.sampling import Sampler, SamplingParams
 from alchemist.serve.text import TextStream
 
@@ -57,6 +57,7 @@ class LoadedModel:
     weights_seconds: float
     compile_seconds: float
     peak_rss_mb: float
+    weights: str = "quantized"  # how the quantized tensors are held: "quantized" (GGUF blocks) or "float32"
     _scheduler: object | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -149,15 +150,22 @@ def load_llm(
     generated_dir: str | os.PathLike | None = None,
     progress: bool = True,
     compile_now: bool = True,
+    weights: str | None = None,
 ) -> LoadedModel:
     """Generate (or reuse) the PyTensor module for a GGUF file (or a reference model's name), load its weights
-    and compile decoding."""
+    and compile decoding.
+
+    weights: "quantized" keeps quantized tensors in their GGUF blocks (on C and Numba, read-only views of the
+    file's memory map: no copy); "float32" dequantizes them once at load. None: the backend's default
+    (alchemist.runtime.backends.default_weights: quantized on C and Numba, float32 on JAX and MLX, where the
+    quantized graph dequantizes every weight on every step: less steady memory, much slower decoding)."""
     from alchemist.audit import require_passing_audit
     from alchemist.runtime.engine import Engine, import_generated
 
     from alchemist.models import resolve_model
 
     require_backend(backend)
+    weights_format = check_weights(weights, backend)
     t0 = time.perf_counter()
     path = resolve_model(path)  # a file, or a reference model's name ("gemma-3-270m")
     facts = read_gguf(path)
@@ -167,18 +175,18 @@ def load_llm(
     module = import_generated(module_path)
     total = sum(t.nbytes for t in ir.tensors)
     t_w = time.perf_counter()
-    quantized = uses_quantized_kernels(backend)
+    quantized = weights_format == "quantized"
     if progress:
         from tqdm.auto import tqdm  # imported only to show the bar (tqdm.auto takes ~0.1 s to import)
 
         with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", leave=False) as bar:
-            weights = module.load_weights(path, progress=lambda name, nbytes: bar.update(nbytes), quantized=quantized)
+            tensors = module.load_weights(path, progress=lambda name, nbytes: bar.update(nbytes), quantized=quantized)
     else:
-        weights = module.load_weights(path, quantized=quantized)
+        tensors = module.load_weights(path, quantized=quantized)
     weights_seconds = time.perf_counter() - t_w
     capacity = max(1, min(int(context), ir.n_ctx_train))
-    engine = Engine(module, weights, backend, capacity)
-    del weights
+    engine = Engine(module, tensors, backend, capacity)
+    del tensors
     if progress:  # a bar while a step function compiles: rewriting, then C modules linked / total
         from alchemist.runtime.compile_progress import TqdmProgress
 
@@ -199,6 +207,7 @@ def load_llm(
         weights_seconds=weights_seconds,
         compile_seconds=engine.stats.compile_seconds,
         peak_rss_mb=peak_rss_mb(),
+        weights=weights_format,
     )
 
 
@@ -300,6 +309,7 @@ def _report_head(model, prompt, out_ids, stop_reason) -> dict:
     """The report fields an inference call has whether it ran alone or joined a batch."""
     return {
         "backend": model.backend,
+        "weights": model.weights,
         "blas": blas_info() if model.backend == "c" else None,
         "alchemist": __version__,
         "model": model.ir.model_name,
