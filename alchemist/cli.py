@@ -64,7 +64,8 @@ def describe_components(ir) -> list[str]:
         + (f", residual x{lay.residual_scale:g}" if lay.residual_scale != 1.0 else ""),
         f"attention     {att.n_head} query heads, {att.n_kv_head} KV heads, head size {att.head_dim}, "
         f"scale {att.score_scale:.6g}" + "".join(f", {e}" for e in extras if e),
-        f"mlp           {mlp.kind.value}, {mlp.activation.value}, ffn {mlp.n_ff}" + (", biases" if mlp.up_bias else "")
+        f"mlp           {mlp.kind.value}, {mlp.activation.value}, ffn {mlp.n_ff}"
+        + (", biases" if mlp.up_bias else "")
         + (f", {mlp.router.n_expert} experts, top-{mlp.router.n_expert_used}" if mlp.router else ""),
         f"rope          {rope.style.value if all(rotating) or not any(rotating) else f'{sum(rotating)} of {ir.n_layer} layers'}, "
         f"dims {rope.dim}, scaling {rope.scaling.value}, bases {sorted({x.attention.rope.base for x in ir.attention_layers})}",
@@ -104,11 +105,15 @@ def _cmd_gen(args) -> int:
 def _cmd_run(args) -> int:
     from alchemist import inference, load_llm
 
-    model = load_llm(args.model, backend=args.backend, context=args.context, numerics=_numerics(args))
+    from alchemist.runtime.api import precompile
+
+    numerics = _numerics(args)
+    model = load_llm(args.model, backend=args.backend, context=args.context, compile_now=False, numerics=numerics)
     if args.tokens:
         prompt = [int(t) for t in args.tokens.split(",")]
     else:
         prompt = args.prompt
+    precompile(model, prompt, chat=args.chat)  # the prompt's prefill and decode together (progress bars)
     result = inference(
         model,
         input=prompt,

@@ -228,9 +228,9 @@ def test_shape_errors():
 
 def test_as_blocks_is_a_view():
     raw = np.zeros(4 * 68, np.uint8)
-    blocks = as_blocks(raw, "Q8_0", (4, 64), copy=False)
+    blocks = as_blocks(raw, "Q8_0", (4, 64))  # the default: zero-copy
     assert blocks.shape == (4, 68) and np.shares_memory(blocks, raw)
-    copied = as_blocks(raw, "Q8_0", (4, 64))
+    copied = as_blocks(raw, "Q8_0", (4, 64), copy=True)
     assert copied.flags.c_contiguous and copied.flags.writeable and not np.shares_memory(copied, raw)
 
 
@@ -323,3 +323,162 @@ def test_numba_graph_loaded_from_pytensor_cache_runs(tmp_path):
         out = subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         assert float(out.stdout.split()[-1]) == 300 * 64
+
+
+# ---------------------------------------------------------------------------------------------------
+# numerics="ggml": llama.cpp's activation quantization and integer dot products, against ggml-cpu itself
+
+
+@pytest.fixture(scope="session")
+def ggml_ref():
+    pytest.importorskip("llama_cpp")
+    from alchemist.harness._llama import ggml_cpu
+
+    return ggml_cpu()
+
+
+@pytest.fixture(scope="session")
+def compiled_ggml():
+    cache = {}
+
+    def get(backend, ggml_type, n_out, n_in):
+        key = (backend, ggml_type, n_out, n_in)
+        if key not in cache:
+            x = pt.matrix("x", dtype="float32")
+            w = pt.matrix("w", dtype="uint8", shape=(n_out, row_bytes(ggml_type, n_in)))
+            y = quantized_linear(x, w, ggml_type, n_out, n_in, numerics="ggml")
+            cache[key] = pytensor.function([x, w], y, mode=get_mode(backend))
+        return cache[key]
+
+    return get
+
+
+def activations_with_outliers(rng, T, n):
+    """Heavy-tailed rows with one massive activation (the case where the activation blocks round hardest)."""
+    x = (rng.standard_normal((T, n)) * np.exp(rng.standard_normal((T, n)))).astype(np.float32)
+    x[0, 7] = 300.0
+    return x
+
+
+def ggml_dequantized_activations(ggml_ref, ggml_type, x):
+    """dequant(quant(x)) through ggml's own quantize_row_q8_* and dequantize_row_q8_0 / q8_K (Q8_1: its Q8_0 values)."""
+    import ctypes
+
+    from alchemist.harness._llama import ggml
+
+    kind = ggml_ref.activation_type(ggml_type)
+    out = np.empty_like(x)
+    for t, row in enumerate(x):
+        blocks = ggml_ref.quantize_row("Q8_0" if kind == "q8_1" else ggml_type, row)
+        fn = ggml()._bind(f"dequantize_row_{'q8_K' if kind == 'q8_K' else 'q8_0'}", [ctypes.c_void_p] * 2 + [ctypes.c_int64], None)
+        fn(blocks.ctypes.data, out[t].ctypes.data, row.size)
+    return out
+
+
+def q8_0_identity(n):
+    """Q8_0 rows of the n x n identity: d = 1.0 (fp16) and a single quant 1 per row."""
+    blocks = np.zeros((n, n // 32, 34), np.uint8)
+    for o in range(n):
+        blocks[o, o // 32, 0:2] = np.array([1.0], np.float16).view(np.uint8)
+        blocks[o, o // 32, 2 + o % 32] = 1
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("backend", ("c", "numba"))
+@pytest.mark.parametrize("ggml_type", ("Q8_0", "Q6_K"))
+def test_ggml_activation_quantization_is_bit_exact(ggml_ref, compiled_ggml, backend, ggml_type):
+    """With identity weights the product is dequant(quant(x)) itself: it must equal ggml's, bit for bit, for
+    both activation formats (Q8_0 blocks of 32 with an fp16 scale; Q8_K blocks of 256, float scale)."""
+    from alchemist.harness.quantize import quantize_array
+
+    n = 512
+    eye = q8_0_identity(n) if ggml_type == "Q8_0" else quantize_array(np.eye(n, dtype=np.float32), "Q6_K").reshape(n, -1)
+    assert np.array_equal(reference_dequantize(eye, ggml_type), np.eye(n, dtype=np.float32))
+    x = activations_with_outliers(np.random.default_rng(3), 6, n)
+    x[1] = 0.0  # an all-zero row: scale 0
+    x[2, :32] = np.float32(1e-3) * np.arange(32)  # ties and tiny values
+    want = ggml_dequantized_activations(ggml_ref, ggml_type, x)
+    for T in (1, 6):  # the decode path and the batched path
+        got = np.asarray(compiled_ggml(backend, ggml_type, n, n)(x[:T], eye))
+        assert np.array_equal(got, want[:T]), f"{np.abs(got - want[:T]).max()}"
+
+
+@pytest.mark.parametrize("ggml_type", SUPPORTED_TYPES)
+def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
+    """Every row of x @ W.T against ggml_vec_dot_<type>_q8_* on ggml's own activation blocks. On C the 32-blocks
+    compute the very same float operations (bit-identical); the K-quants and MXFP4 sum in another order (float32 eps).
+    Numba multiplies the rounded activations with the dequantized weights (Q4_1/Q5_1 differ in their offset term,
+    which ggml takes from the fp16 block sum of Q8_1)."""
+    from alchemist.harness.quantize import quantize_array
+
+    rng = np.random.default_rng(4)
+    n_out, n_in = 48, 512
+    raw = quantize_array(rng.standard_normal((n_out, n_in)).astype(np.float32), ggml_type).reshape(n_out, -1)
+    x = activations_with_outliers(rng, 5, n_in)
+    want = np.array(
+        [[ggml_ref.vec_dot(ggml_type, raw[o], ggml_ref.quantize_row(ggml_type, x[t]), n_in) for o in range(n_out)] for t in range(5)],
+        dtype=np.float32,
+    )
+    scale = np.abs(want).max()
+    got_c = np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x, raw))
+    if ggml_type in ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1"):  # the same float operations in the same order
+        assert np.array_equal(got_c, want)
+    assert np.abs(got_c - want).max() <= 2e-6 * scale
+    got_numba = np.asarray(compiled_ggml("numba", ggml_type, n_out, n_in)(x, raw))
+    tol = 2e-3 if ggml_type in ("Q4_1", "Q5_1") else 2e-6
+    assert np.abs(got_numba - want).max() <= tol * scale
+
+
+@pytest.mark.parametrize("ggml_type", ("Q5_0", "Q4_K", "Q6_K", "Q4_1"))
+def test_ggml_numerics_equal_dequantize_then_matmul_of_rounded_activations(compiled_ggml, compiled, ggml_type):
+    """ggml numerics == the exact kernel applied to dequant(quant(x)) (float32 summation order aside), for a
+    decode row, a batch and a prefill-sized product; rows of a batch of T < 16 equal their one-token products."""
+    from alchemist.kernels.activations import round_rows
+
+    rng = np.random.default_rng(5)
+    n_out, n_in = 64, 512
+    raw = random_blocks(rng, ggml_type, n_out, n_in)
+    for T in (1, 7, 40):
+        x = activations_with_outliers(rng, T, n_in)
+        got = np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x, raw))
+        rounded = round_rows(x, ggml_type)
+        if ggml_type in ("Q4_1", "Q5_1"):  # ggml's offset term uses Q8_1's fp16 block sum
+            ref, magnitude = reference(rounded, raw, ggml_type)
+            assert np.abs(got - ref).max() <= 2e-3 * np.abs(magnitude).max()
+        else:
+            assert_close(got, rounded, raw, ggml_type)
+        if 1 < T < 16:
+            singles = np.stack([np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x[t : t + 1], raw))[0] for t in range(T)])
+            assert np.array_equal(singles, got)
+
+
+def test_ggml_numerics_on_jax_round_in_the_graph(compiled_ggml):
+    """JAX (and MLX) expand the ggml Op into the in-graph rounding followed by dequantize-then-matmul."""
+    pytest.importorskip("jax")
+    from alchemist.kernels.activations import round_rows
+
+    rng = np.random.default_rng(6)
+    raw = random_blocks(rng, "Q4_K", 32, 256)
+    x = activations_with_outliers(rng, 3, 256)
+    got = np.asarray(compiled_ggml("jax", "Q4_K", 32, 256)(x, raw))
+    assert_close(got, round_rows(x, "Q4_K"), raw, "Q4_K")
+
+
+def test_ggml_numerics_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="numerics must be one of exact, ggml"):
+        quantized_linear(pt.matrix("x", dtype="float32"), pt.matrix("w", dtype="uint8"), "Q8_0", 32, 32, numerics="fast")
+
+
+@pytest.mark.parametrize("backend", ("c", "numba"))
+def test_gelu_table_equals_ggml_table(ggml_ref, backend):
+    """Every fp16 input in (-10, 10) reads llama.cpp's own ggml_table_gelu_f16; outside, 0 or x."""
+    from alchemist.kernels.gelu import gelu_table
+
+    table = ggml_ref.gelu_table()
+    x16 = np.arange(65536, dtype=np.uint16).view(np.float16)
+    inside = np.isfinite(x16) & (x16 > -10) & (x16 < 10)
+    x = np.concatenate([x16[inside].astype(np.float32), np.float32([-10, -11.5, 10, 12.25, 3.00001, -0.3333])])
+    want = np.where(x <= -10, 0, np.where(x >= 10, x, table[x.astype(np.float16).view(np.uint16)])).astype(np.float32)
+    v = pt.vector("x", dtype="float32")
+    got = np.asarray(pytensor.function([v], gelu_table(v), mode=get_mode(backend))(x))
+    assert np.array_equal(got, want)

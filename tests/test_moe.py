@@ -92,6 +92,33 @@ def test_gathered_experts_equal_dequantize_then_einsum(expert_fn, backend, ggml_
     assert np.all(err <= 1e-5 * magnitude + 1e-30), f"max error {np.max(err / (1e-5 * magnitude)):.2f} x tolerance"
 
 
+@pytest.mark.parametrize("backend", ("c", "numba"))
+@pytest.mark.parametrize("ggml_type", ("Q8_0", "Q4_K"))
+def test_gathered_experts_with_ggml_numerics(backend, ggml_type):
+    """numerics="ggml": each (token, rank) row of the experts' product is the ggml-numerics product of that
+    token's activations with its expert's rows (rounded to llama.cpp's activation blocks first)."""
+    from alchemist.kernels import quantized_linear
+    from alchemist.kernels.activations import round_rows
+
+    rng = np.random.default_rng(11)
+    w, dense = experts_of(rng, ggml_type)
+    n_tokens = 20
+    ids = np.stack([rng.choice(N_EXPERT, K, replace=False) for _ in range(n_tokens)]).astype(np.int64)
+    x = rng.standard_normal((n_tokens, N_IN)).astype(np.float32)
+    xv, iv = pt.matrix("x", dtype="float32"), pt.matrix("ids", dtype="int64")
+    wv = pt.tensor3("w", dtype="uint8", shape=(N_EXPERT, N_OUT, row_bytes(ggml_type, N_IN)))
+    y_ggml = quantized_expert_linear(xv, wv, iv, ggml_type, N_EXPERT, N_OUT, N_IN, numerics="ggml")
+    y = np.asarray(pytensor.function([xv, wv, iv], y_ggml, mode=get_mode(backend))(x, w, ids))
+    ref, magnitude = reference(round_rows(x, ggml_type), dense, ids)
+    assert np.all(np.abs(y - ref) <= 1e-5 * magnitude + 1e-30)
+    # the same rounding as the dense ggml kernel: one token through QuantizedMatmul(numerics="ggml")
+    row = pt.matrix("r", dtype="uint8", shape=(N_OUT, row_bytes(ggml_type, N_IN)))
+    dense_fn = pytensor.function([xv, row], quantized_linear(xv, row, ggml_type, N_OUT, N_IN, "ggml"), mode=get_mode(backend))
+    t, j = 3, 1
+    single = np.asarray(dense_fn(x[t : t + 1], w[ids[t, j]]))[0]
+    assert np.abs(y[t, j] - single).max() <= 1e-5 * np.abs(single).max()
+
+
 @pytest.mark.parametrize("ggml_type", ("Q8_0", "Q4_K"))
 def test_jax_takes_the_chosen_experts_in_the_graph(ggml_type):
     pytest.importorskip("jax")

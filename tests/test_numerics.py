@@ -17,7 +17,8 @@ from alchemist.errors import AlchemistError
 from alchemist.harness.metrics import greedy_agreement
 from alchemist.runtime import graph_cache
 from alchemist.runtime.engine import _SOURCE_SHA256, Engine, is_as_imported
-from alchemist.runtime.numerics import NUMERICS, gelu_fp16_table, numerics_of, resolve_numerics, with_numerics
+from alchemist.kernels import gelu_table
+from alchemist.runtime.numerics import NUMERICS, numerics_of, resolve_numerics, with_numerics
 
 PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]  # token 1 only at position 0
 DECODE = [9, 4, 13, 6]
@@ -60,7 +61,7 @@ def test_the_ggml_copy_leaves_the_generated_module_alone(tiny_module):
     assert with_numerics(module, "exact") is module
     ggml = with_numerics(module, "ggml")
     assert ggml is not module and numerics_of(ggml) == "ggml" and numerics_of(module) == "exact"
-    assert ggml.gelu is gelu_fp16_table and module.gelu is not gelu_fp16_table
+    assert ggml.gelu is gelu_table and module.gelu is not gelu_table
     assert is_as_imported(module) and is_as_imported(ggml)  # both cacheable, under different source hashes
     assert getattr(ggml, _SOURCE_SHA256) != getattr(module, _SOURCE_SHA256)
     assert with_numerics(ggml, "ggml") is ggml

@@ -215,3 +215,63 @@ def tensor_to_numpy(ptr: int, rank: int = 2) -> tuple[np.ndarray, dict]:
     view = np.ndarray(shape=ne[::-1], dtype=dtype, buffer=buf, offset=0, strides=nb[::-1])
     out = view.astype(np.float32 if dtype is not np.int32 else np.int32, copy=True)
     return out, info
+
+
+# --------------------------------------------------------------------------------------------------
+# ggml-cpu's own matmul pieces (activation quantizers, per-row dot products, the GELU table): the
+# reference the numerics="ggml" kernels are tested against.
+
+# vec_dot_type per weight type (ggml-cpu.c type_traits_cpu) and that type's (block values, block bytes)
+VEC_DOT_TYPE = {"Q8_0": "q8_0", "Q4_0": "q8_0", "Q5_0": "q8_0", "MXFP4": "q8_0", "Q4_1": "q8_1", "Q5_1": "q8_1"}
+ACTIVATION_BLOCKS = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 4 + 256 + 32)}
+
+
+class GgmlCpu:
+    """libggml-cpu's quantize_row_q8_* / ggml_vec_dot_<type>_q8_* and ggml_table_gelu_f16, through ctypes."""
+
+    def __init__(self) -> None:
+        require()
+        lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
+        lib.ggml_cpu_init()
+        self.lib = lib
+
+    @staticmethod
+    def activation_type(ggml_type: str) -> str:
+        return VEC_DOT_TYPE.get(ggml_type, "q8_K")
+
+    def quantize_row(self, ggml_type: str, x: np.ndarray) -> np.ndarray:
+        """x (n,) float32 -> the bytes of ggml's activation blocks for a `ggml_type` weight."""
+        kind = self.activation_type(ggml_type)
+        qk, bs = ACTIVATION_BLOCKS[kind]
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.zeros(x.size // qk * bs, np.uint8)
+        fn = getattr(self.lib, f"quantize_row_{kind}")
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+        fn(x.ctypes.data, out.ctypes.data, x.size)
+        return out
+
+    def vec_dot(self, ggml_type: str, w_row: np.ndarray, xq: np.ndarray, n: int) -> float:
+        """ggml_vec_dot_<type>_<vec_dot_type>: one weight row (GGUF bytes) . quantized activations."""
+        name = f"ggml_vec_dot_{ggml_type.lower().replace('_k', '_K')}_{self.activation_type(ggml_type)}"
+        fn = getattr(self.lib, name)
+        p, sz = ctypes.c_void_p, ctypes.c_size_t
+        fn.argtypes, fn.restype = [ctypes.c_int, p, sz, p, sz, p, sz, ctypes.c_int], None
+        w_row, xq = np.ascontiguousarray(w_row), np.ascontiguousarray(xq)
+        s = np.zeros(1, np.float32)
+        fn(n, s.ctypes.data, 0, w_row.ctypes.data, 0, xq.ctypes.data, 0, 1)
+        return float(s[0])
+
+    def gelu_table(self) -> np.ndarray:
+        """ggml_table_gelu_f16 as float32 (index: the fp16 bit pattern)."""
+        table = (ctypes.c_uint16 * 65536).in_dll(self.lib, "ggml_table_gelu_f16")
+        return np.ctypeslib.as_array(table).copy().view(np.float16).astype(np.float32)
+
+
+_ggml_cpu: GgmlCpu | None = None
+
+
+def ggml_cpu() -> GgmlCpu:
+    global _ggml_cpu
+    if _ggml_cpu is None:
+        _ggml_cpu = GgmlCpu()
+    return _ggml_cpu

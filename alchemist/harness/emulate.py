@@ -1,11 +1,11 @@
 """llama.cpp's CPU rounding, emulated in our graph, to tell its arithmetic apart from our bugs.
 
-The roundings live in the runtime (alchemist.runtime.numerics), where they are the "ggml" numerics mode that
-load_llm computes with by default; they are re-exported here for the harness and its tests.
-`emulating_llamacpp(module)` is `with_numerics(module, "ggml")`: the same copy of a generated module, whose
-matmuls round their input as llama.cpp's CPU backend does and whose gelu() is ggml's fp16 table. (It used to
-round project()'s input only; the numerics copy also rounds a mixture's expert inputs, which llama.cpp
-quantizes too, and caches its step graphs on disk.)
+The roundings are the "ggml" numerics mode that load_llm computes with by default (alchemist.runtime.numerics,
+on top of alchemist.kernels' graph_rounding and table GELU); they are re-exported here for the harness.
+`emulating_llamacpp(module)` is `with_numerics(module, "ggml")`: a copy of a generated module whose matmuls
+round their input as llama.cpp's CPU backend does and whose gelu() is ggml's fp16 table. (It used to round
+project()'s input only; the numerics copy also rounds a mixture's expert inputs, which llama.cpp quantizes
+too, uses the kernels' integer ggml path on C, and caches its step graphs on disk.)
 """
 
 from __future__ import annotations

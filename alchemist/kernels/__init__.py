@@ -21,10 +21,22 @@ Per backend (Ops `QuantizedMatmul`, `QuantizedEmbedding`):
   Numba     njit(parallel=True) drivers per type, prange over output rows; T >= 16: panels + np.dot
             (alchemist/kernels/numba_kernels.py); registered with PyTensor's Numba dispatch on first use
   JAX, MLX  rewritten (rewrite tagged "jax"/"mlx" only) into plain PyTensor ops: dot(x, dequantize_rows(w).T)
-            - correct, but dequantizes the whole weight on every call (keep float32 weights there)
+            - correct, but dequantizes the whole weight on every call
   other     `perform`: gguf-py's numpy dequantizer, then a numpy dot
 
-Numerics (all float32; results equal dequantize-then-matmul up to float32 summation order):
+Two numerics (the `numerics=` keyword of quantized_linear / quantized_expert_linear):
+  "exact"  float32 products with the exactly dequantized weights (differentiable; the reference for gradients)
+  "ggml"   llama.cpp's CPU arithmetic: each activation row rounded to the weight type's vec_dot_type blocks
+           (Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants), then
+           C, T < 16    integer dot products per 32 quants (AVX2 maddubs, ggml's sign trick) scaled per sub-block;
+                        bit-identical to ggml's vec_dot for Q4_0/Q5_0/Q8_0/Q4_1/Q5_1, float32 eps otherwise
+           C, T >= 16   the activation blocks dequantized, then the exact path's float kernel (same values)
+           Numba, JAX, MLX  dequant(quant(x)) (alchemist.kernels.activations / graph_rounding), then the exact
+                        product; Q4_1/Q5_1 differ from ggml in the offset term (~1e-3 relative), which ggml takes
+                        from Q8_1's fp16 block sum
+  GELU: `gelu_table` (alchemist.kernels.gelu) is ggml's fp16 lookup table, exact on C and Numba.
+
+Exact numerics (all float32; results equal dequantize-then-matmul up to float32 summation order):
   C, T < 16    per sub-block of 16/32 weights: dl * sum(q * x) (+ mb * sum(x)), dl and mb computed as gguf-py
                does, vector lanes summed pairwise; row t of a T-token product == the 1-token product
   C, T >= 16   exact gguf-py dequantization (bit for bit, no FMA contraction) of a panel, then sgemm
@@ -38,6 +50,7 @@ from __future__ import annotations
 import numpy as np
 
 from alchemist.kernels.formats import BLOCK_SIZES, SUPPORTED_TYPES, block_size, dequantize_rows, row_bytes
+from alchemist.kernels.gelu import gelu_table
 from alchemist.kernels.op import (
     QuantizedEmbedding,
     QuantizedExpertMatmul,
@@ -57,6 +70,7 @@ __all__ = [
     "dequantize_experts_then_matmul",
     "dequantize_rows",
     "dequantize_then_dot",
+    "gelu_table",
     "quantized_embedding",
     "quantized_expert_linear",
     "quantized_linear",
@@ -65,9 +79,10 @@ __all__ = [
 ]
 
 
-def quantized_linear(x, w_blocks, ggml_type: str, n_out: int, n_in: int):
-    """x (T, n_in) float32 @ dequant(w_blocks).T -> (T, n_out) float32, w_blocks (n_out, row_bytes) uint8."""
-    return QuantizedMatmul(ggml_type, n_out, n_in)(x, w_blocks)
+def quantized_linear(x, w_blocks, ggml_type: str, n_out: int, n_in: int, numerics: str = "exact"):
+    """x (T, n_in) float32 @ dequant(w_blocks).T -> (T, n_out) float32, w_blocks (n_out, row_bytes) uint8.
+    numerics="ggml": each row of x rounded first to llama.cpp's activation blocks (integer kernels on C)."""
+    return QuantizedMatmul(ggml_type, n_out, n_in, numerics)(x, w_blocks)
 
 
 def quantized_embedding(w_blocks, indices, ggml_type: str, n_rows: int, n_in: int):
@@ -80,20 +95,23 @@ def quantized_embedding(w_blocks, indices, ggml_type: str, n_rows: int, n_in: in
     return QuantizedEmbedding(ggml_type, n_rows, n_in)(w_blocks, indices)
 
 
-def quantized_expert_linear(x, w_blocks, ids, ggml_type: str, n_expert: int, n_out: int, n_in: int):
+def quantized_expert_linear(
+    x, w_blocks, ids, ggml_type: str, n_expert: int, n_out: int, n_in: int, numerics: str = "exact"
+):
     """Mixture of experts: x (T, n_in) or (T, K, n_in) float32, w_blocks (n_expert, n_out, row_bytes) uint8, ids
     (T, K) int -> (T, K, n_out) float32 with y[t, j] = x[t] (or x[t, j]) @ dequant(w_blocks[ids[t, j]]).T.
     Only the experts in ids are read; on JAX/MLX (static T) their blocks are taken and dequantized in the graph."""
-    return QuantizedExpertMatmul(ggml_type, n_expert, n_out, n_in)(x, w_blocks, ids)
+    return QuantizedExpertMatmul(ggml_type, n_expert, n_out, n_in, numerics)(x, w_blocks, ids)
 
 
-def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...], copy: bool = True) -> np.ndarray:
+def as_blocks(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...], copy: bool = False) -> np.ndarray:
     """A tensor's raw GGUF bytes (flat uint8) -> the (n_out, row_bytes) uint8 matrix `quantized_linear` takes.
 
     shape is numpy order (n_out, n_in); a stack of matrices (n_experts, n_out, n_in) gives
-    (n_experts, n_out, row_bytes). By default the result is a private C-contiguous copy (a numpy
-    allocation, which numpy backs with huge pages, and independent of the file's memory map: ~0.1 s for
-    250 MB); copy=False returns a view of `raw`.
+    (n_experts, n_out, row_bytes). By default the result is a view of `raw` (zero-copy: for a generated
+    module's load_weights, a read-only view into the GGUF file's memory map, which the view keeps open; its
+    pages are the page cache's, shared with every process that maps the file, and count once in RSS).
+    copy=True returns a private, writeable C-contiguous copy instead (~0.1 s and the tensor's size again).
     """
     *lead, n_in = shape  # (n_out, n_in), or (n_expert, n_out, n_in) for a mixture's experts
     n_rows = int(np.prod(lead, dtype=np.int64))

@@ -25,6 +25,7 @@ gguf-py does (float32, no FMA contraction) and multiplied by sgemm, i.e. literal
 without ever holding more than one panel in float32.
 run_experts (the mixture-of-experts product) groups the (token, rank) pairs by their expert and runs each chosen
 expert's rows through the same kernel, its routed tokens as the batch; unchosen experts are never read.
+numerics="ggml" (run_ggml): llama.cpp's arithmetic, see the "ggml numerics" section below.
 Output rows are split across OpenMP threads (when compiled with -fopenmp and the weights exceed 64 KB);
 weights are software-prefetched 4 KB ahead.
 """
@@ -612,12 +613,284 @@ static idx_t embed(const uint8_t *W, idx_t n_rows, idx_t n_in, const int64_t *id
     return 0;
 }
 
+/* ================================================================== ggml numerics
+   llama.cpp's CPU backend (ggml-cpu) multiplies a weight of type T by first quantizing each activation row to
+   T's vec_dot_type and then taking integer dot products per block:
+     Q8_0 (blocks of 32: d = fp16(max|x| / 127), q = round-to-even(x * 127 / max|x|)) for Q4_0, Q5_0, Q8_0, MXFP4;
+     Q8_1 (Q8_0's values plus s = fp16(d * sum q), d before its fp16 rounding)      for Q4_1, Q5_1;
+     Q8_K (blocks of 256: the element of largest |x| sets iscale = -127 / x, q = min(127, round(iscale * x)),
+           d = 1 / iscale in float32, and bsums: integer sums of each 16)           for the K-quants.
+   (quantize_row_q8_0 / q8_1 in ggml-cpu/arch/x86/quants.c, quantize_row_q8_K_ref in ggml-quants.c.)
+   A row's product is then, per weight block b with sub-block scales dl and offsets mb (see unpack):
+     dx_b * sum_s dl[s] * (sum_j q_j xq_j)  +  offsets:  mb * s_b (Q8_1),  dx_b * sum_s mb[s] * bsum_s (K-quants)
+   The integer sums are exact, so the result equals dequant(W) . dequant(quant(x)) up to float32 summation
+   order (ggml folds the K-quant scales into the integer sum; both orders round within float32 epsilon). */
+enum { ACT_Q8_0 = 0, ACT_Q8_1 = 1, ACT_Q8_K = 2 };
+
+template <class Q>
+struct ActOf {
+    enum { KIND = Q::QK == 256 ? ACT_Q8_K : (Q::HAS_MIN ? ACT_Q8_1 : ACT_Q8_0) };
+};
+
+static inline float fp32_from_bits(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
+static inline uint32_t fp32_to_bits(float f) { uint32_t w; memcpy(&w, &f, 4); return w; }
+
+/* float32 -> the nearest fp16 value (ties to even), returned as float32: ggml's GGML_CPU_FP32_TO_FP16 */
+static inline float round_fp16(float f) {
+#if defined(__F16C__)
+    return _cvtsh_ss(_cvtss_sh(f, 0));
+#else
+    /* ggml_compute_fp32_to_fp16 (ggml-impl.h), then back */
+    const float scale_to_inf = 0x1.0p+112f, scale_to_zero = 0x1.0p-110f;
+    float base = (__builtin_fabsf(f) * scale_to_inf) * scale_to_zero;
+    const uint32_t w = fp32_to_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = fp32_from_bits((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = fp32_to_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    const uint16_t h = (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+    uint8_t b[2] = {(uint8_t)(h & 0xFF), (uint8_t)(h >> 8)};
+    return f16(b);
+#endif
+}
+
+/* round half to even, as _mm256_round_ps(_MM_ROUND_NEAREST) and ggml's nearest_int do for |v| < 2^22 */
+static inline int round_even(float v) { return (int)__builtin_nearbyintf(v); }
+
+/* T activation rows quantized for weights of format Q: q (T, n) int8, d (T, nb) per weight block,
+   s16 (T, n / 16) integer sums of 16, s1 (T, nb) Q8_1's s */
+struct ActRows {
+    int8_t *q;
+    float *d, *s1;
+    int32_t *s16;
+    void *mem;
+};
+
+static int act_alloc(ActRows *a, idx_t T, idx_t n, idx_t nb) {
+    const size_t nq = (size_t)(T * n), nd = (size_t)(T * nb), n16 = (size_t)(T * (n / 16));
+    a->mem = malloc(nq + 64 + sizeof(float) * 2 * (nd + 1) + sizeof(int32_t) * (n16 + 1));
+    if (!a->mem) return -1;
+    a->d = (float *)a->mem;
+    a->s1 = a->d + nd + 1;
+    a->s16 = (int32_t *)(a->s1 + nd + 1);
+    a->q = (int8_t *)(a->s16 + n16 + 1);
+    return 0;
+}
+
+static inline void int_sums16(const int8_t *q, idx_t n, int32_t *out) {
+    for (idx_t g = 0; g < n / 16; ++g) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; ++j) s += q[16 * g + j];
+        out[g] = s;
+    }
+}
+
+/* one row x (n) -> its ggml activation blocks */
+template <int KIND>
+static void quantize_act_row(const float *x, idx_t n, int8_t *q, float *d, float *s1, int32_t *s16) {
+    if (KIND == ACT_Q8_K) {
+        for (idx_t b = 0; b < n / 256; ++b) {
+            const float *xb = x + 256 * b;
+            int8_t *qb = q + 256 * b;
+            float amax = 0.0f, max = 0.0f;
+            for (int j = 0; j < 256; ++j) {
+                const float ax = __builtin_fabsf(xb[j]);
+                if (ax > amax) {
+                    amax = ax;
+                    max = xb[j];
+                }
+            }
+            if (amax == 0.0f) {
+                d[b] = 0.0f;
+                memset(qb, 0, 256);
+                continue;
+            }
+            const float iscale = -127.0f / max;
+            for (int j = 0; j < 256; ++j) {
+                const int v = round_even(iscale * xb[j]);
+                qb[j] = (int8_t)(v < 127 ? (v > -128 ? v : -128) : 127);
+            }
+            d[b] = 1.0f / iscale;
+        }
+    } else {
+        for (idx_t b = 0; b < n / 32; ++b) {
+            const float *xb = x + 32 * b;
+            int8_t *qb = q + 32 * b;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; ++j) {
+                const float ax = __builtin_fabsf(xb[j]);
+                amax = ax > amax ? ax : amax;
+            }
+            const float dd = amax / 127.0f;
+            const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (int j = 0; j < 32; ++j) {
+                const int v = round_even(xb[j] * id);
+                qb[j] = (int8_t)(v < 127 ? (v > -128 ? v : -128) : 127);
+                sum += qb[j];
+            }
+            d[b] = round_fp16(dd);
+            if (KIND == ACT_Q8_1) s1[b] = round_fp16(dd * (float)sum);
+        }
+    }
+    int_sums16(q, n, s16);
+}
+
+template <class Q>
+static void quantize_acts(const float *X, idx_t T, idx_t n, ActRows *a) {
+    const idx_t nb = n / Q::QK;
+#pragma omp parallel for schedule(static) if (T >= 8 && T * n >= 65536)
+    for (idx_t t = 0; t < T; ++t)
+        quantize_act_row<ActOf<Q>::KIND>(X + t * n, n, a->q + t * n, a->d + t * nb, a->s1 + t * nb, a->s16 + t * (n / 16));
+}
+
+/* sum_s dl[s] * (q . xq over sub-block s), times dx, added into acc (AVX2: 8 float lanes) */
+#if AQ_AVX2
+typedef __m256 acc8;
+static inline acc8 acc8_zero() { return _mm256_setzero_ps(); }
+static inline float acc8_total(acc8 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* 32 int8 products summed in fours: lane i = sum of elements 4i..4i+3 (ggml's mul_sum_i8_pairs) */
+static inline __m256i dot32(__m256i w, __m256i aw, const int8_t *x) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), _mm256_set1_epi16(1));
+}
+template <class Q>
+static inline acc8 dot_block_int(const int8_t *q, const float *dl, const int8_t *xq, float dx, acc8 acc) {
+    for (int c = 0; c < Q::QK / 32; ++c) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+        const __m256 v = _mm256_cvtepi32_ps(dot32(w, _mm256_sign_epi8(w, w), xq + 32 * c));
+        const __m256 sc = Q::SUB == 32 ? _mm256_set1_ps(dl[c] * dx)
+                                        : _mm256_set_m128(_mm_set1_ps(dl[2 * c + 1] * dx), _mm_set1_ps(dl[2 * c] * dx));
+        acc = _mm256_fmadd_ps(sc, v, acc);
+    }
+    return acc;
+}
+#else
+struct acc8 { float v; };
+static inline acc8 acc8_zero() { acc8 a = {0.0f}; return a; }
+static inline float acc8_total(acc8 a) { return a.v; }
+template <class Q>
+static inline acc8 dot_block_int(const int8_t *q, const float *dl, const int8_t *xq, float dx, acc8 acc) {
+    for (int s = 0; s < Q::NSUB; ++s) {
+        int32_t isum = 0;
+        for (int j = 0; j < Q::SUB; ++j) isum += (int32_t)q[s * Q::SUB + j] * (int32_t)xq[s * Q::SUB + j];
+        acc.v += (dl[s] * dx) * (float)isum;
+    }
+    return acc;
+}
+#endif
+
+/* the offset part of block b of one activation row */
+template <class Q>
+static inline float offset_block(const float *mb, const ActRows *a, idx_t row_n, idx_t nb, idx_t t, idx_t b) {
+    if (!Q::HAS_MIN) return 0.0f;
+    if (ActOf<Q>::KIND == ACT_Q8_1) return mb[0] * a->s1[t * nb + b];
+    const int32_t *s16 = a->s16 + t * (row_n / 16) + b * (Q::QK / 16);
+    float m = 0.0f;
+    for (int s = 0; s < Q::NSUB; ++s) m += mb[s] * (float)(Q::SUB == 16 ? s16[s] : s16[2 * s] + s16[2 * s + 1]);
+    return a->d[t * nb + b] * m;
+}
+
+/* T < 16 (decode, batched decode): integer dot products, each token's in the same order as a one-token
+   product (row t of a T-token product is bit-identical to the one-token product of token t).
+   T >= 16 (prefill): the activation blocks are dequantized (d * q, as ggml's dequantize_row_q8_*) and the
+   float kernel multiplies them (run<Q>): the same values as the integer sums up to float32 summation
+   order, and on AVX2 without VNNI the float kernel's tiling measured faster than integer dot products with
+   per-sub-block float scales. Q4_1 / Q5_1 always take the integer path (their offset term uses Q8_1's
+   fp16 block sum s, which no dequantized activation reproduces). */
+enum { GGML_FLOAT_MIN_T = 16 };
+
+template <class Q>
+static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, idx_t T, float *Y) {
+    const idx_t nb = n_in / Q::QK, rb = nb * Q::BS;
+    ActRows a;
+    if (act_alloc(&a, T, n_in, nb) != 0) return -1;
+    quantize_acts<Q>(X, T, n_in, &a);
+    if (T >= GGML_FLOAT_MIN_T && ActOf<Q>::KIND != ACT_Q8_1) {
+        float *xr = (float *)malloc(sizeof(float) * (size_t)(T * n_in));
+        if (!xr) {
+            free(a.mem);
+            return -1;
+        }
+        for (idx_t t = 0; t < T; ++t)
+            for (idx_t b = 0; b < nb; ++b) {
+                const float d = a.d[t * nb + b];
+                for (int j = 0; j < Q::QK; ++j) xr[t * n_in + b * Q::QK + j] = d * (float)a.q[t * n_in + b * Q::QK + j];
+            }
+        free(a.mem);
+        const int status = run<Q>(W, n_out, n_in, xr, T, Y);
+        free(xr);
+        return status;
+    }
+    const int threaded = (double)n_out * (double)rb * (double)T >= 65536.0;
+    if (T == 1) {
+#pragma omp parallel for schedule(static) if (threaded)
+        for (idx_t o = 0; o < n_out; ++o) {
+            const uint8_t *row = W + o * rb;
+            alignas(64) int8_t qbuf[Q::QK];
+            float dl[Q::NSUB], mb[Q::NSUB];
+            acc8 acc = acc8_zero();
+            float macc = 0.0f;
+            for (idx_t b = 0; b < nb; ++b) {
+                __builtin_prefetch(row + b * Q::BS + PREFETCH);
+                const int8_t *q = Q::unpack(row + b * Q::BS, qbuf, dl, mb);
+                acc = dot_block_int<Q>(q, dl, a.q + b * Q::QK, a.d[b], acc);
+                if (Q::HAS_MIN) macc += offset_block<Q>(mb, &a, n_in, nb, 0, b);
+            }
+            Y[o] = acc8_total(acc) + macc;
+        }
+        free(a.mem);
+        return 0;
+    }
+    enum { TC = 16 }; /* tokens per pass over a row's blocks */
+    const idx_t n_chunks = (T + TC - 1) / TC;
+#pragma omp parallel for schedule(static) collapse(2) if (threaded)
+    for (idx_t o = 0; o < n_out; ++o) {
+        for (idx_t c = 0; c < n_chunks; ++c) {
+            const uint8_t *row = W + o * rb;
+            const idx_t t0 = c * TC, nt = T - t0 < TC ? T - t0 : TC;
+            acc8 acc[TC];
+            float macc[TC];
+            alignas(64) int8_t qbuf[Q::QK];
+            float dl[Q::NSUB], mb[Q::NSUB];
+            for (idx_t t = 0; t < nt; ++t) {
+                acc[t] = acc8_zero();
+                macc[t] = 0.0f;
+            }
+            for (idx_t b = 0; b < nb; ++b) {
+                __builtin_prefetch(row + b * Q::BS + PREFETCH);
+                const int8_t *q = Q::unpack(row + b * Q::BS, qbuf, dl, mb);
+                for (idx_t t = 0; t < nt; ++t) {
+                    acc[t] = dot_block_int<Q>(q, dl, a.q + (t0 + t) * n_in + b * Q::QK, a.d[(t0 + t) * nb + b], acc[t]);
+                    if (Q::HAS_MIN) macc[t] += offset_block<Q>(mb, &a, n_in, nb, t0 + t, b);
+                }
+            }
+            for (idx_t t = 0; t < nt; ++t) Y[(t0 + t) * n_out + o] = acc8_total(acc[t]) + macc[t];
+        }
+    }
+    free(a.mem);
+    return 0;
+}
+
+/* the activation quantization alone (tests compare it with ggml's quantize_row_q8_*): q (n) int8,
+   d (n / QK), s1 (n / QK), s16 (n / 16) */
+template <class Q>
+static void quantize_activation_row(const float *x, idx_t n, int8_t *q, float *d, float *s1, int32_t *s16) {
+    quantize_act_row<ActOf<Q>::KIND>(x, n, q, d, s1, s16);
+}
+
 /* Mixture of experts: Y[t, j, :] = X[t] (X[t, j] when x_per_rank) @ dequant(W[ids[t, j]]).T, W (n_expert, n_out,
    row bytes). The (t, j) pairs are grouped by expert and each expert's rows go through run<Q> once, with
    its routed tokens as the batch: only the chosen experts' blocks are read, and a pair's result is the
    one-token product of its row (run<Q>'s contract for T < 16). 0: done; 1: out of memory; -1 - i: ids[i]
    is not an expert. */
-template <class Q>
+template <class Q, int GGML>
 static idx_t run_experts(const uint8_t *W, idx_t n_expert, idx_t n_out, idx_t n_in, const float *X, int x_per_rank,
                          const int64_t *ids, idx_t T, idx_t K, float *Y) {
     const idx_t rb = (n_in / Q::QK) * Q::BS, n = T * K;
@@ -651,7 +924,9 @@ static idx_t run_experts(const uint8_t *W, idx_t n_expert, idx_t n_out, idx_t n_
             const idx_t i = order[a + r];
             memcpy(xb + r * n_in, X + (x_per_rank ? i : i / K) * n_in, sizeof(float) * (size_t)n_in);
         }
-        if (run<Q>(W + e * n_out * rb, n_out, n_in, xb, cnt, yb) != 0) {
+        const int failed = GGML ? run_ggml<Q>(W + e * n_out * rb, n_out, n_in, xb, cnt, yb)
+                                : run<Q>(W + e * n_out * rb, n_out, n_in, xb, cnt, yb);
+        if (failed != 0) {
             status = 1;
             goto done;
         }

@@ -15,6 +15,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from alchemist.kernels import activations
 from alchemist.kernels.numba_kernels import (
     K_Q2_K,
     K_Q3_K,
@@ -122,12 +123,16 @@ def register_numba():
     def numba_funcify_QuantizedExpertMatmul(op, node=None, **kwargs):
         _launch_threads()  # see numba_kernels.register_numba
         kind, n_expert, n_out, n_in, row_bytes = KINDS[op.ggml_type], op.n_expert, op.n_out, op.n_in, op.row_bytes
+        round_rows, act, ggml = activations.round_rows_numba(), activations.activation_kind(op.ggml_type), op.numerics == "ggml"
 
         @numba_basic.numba_njit
         def quantized_expert_matmul(x, w, ids):
             if w.shape[0] != n_expert or w.shape[1] != n_out or w.shape[2] != row_bytes or x.shape[-1] != n_in:
                 raise ValueError("QuantizedExpertMatmul: x or w does not have the shape the Op was built for")
-            x3 = np.ascontiguousarray(x).reshape((x.shape[0], -1, n_in))  # (T, 1 or K, n_in)
+            x2 = np.ascontiguousarray(x).reshape((-1, n_in))
+            if ggml:
+                x2 = round_rows(x2, act)  # llama.cpp's activation blocks, then the exact product
+            x3 = x2.reshape((x.shape[0], -1, n_in))  # (T, 1 or K, n_in)
             return expert_matmul(kind, x3, np.ascontiguousarray(w), np.ascontiguousarray(ids), n_in)
 
         return quantized_expert_matmul, _SOURCE_VERSION

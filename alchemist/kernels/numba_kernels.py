@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from alchemist.kernels import formats
+from alchemist.kernels import activations, formats
 
 KINDS = {name: i for i, name in enumerate(formats.SUPPORTED_TYPES)}
 _QK = np.array([formats.BLOCK_SIZES[t][0] for t in formats.SUPPORTED_TYPES], dtype=np.int64)
@@ -591,12 +591,14 @@ def register_numba():
         _launch_threads()
         driver = DRIVERS[op.ggml_type]
         n_out, n_in, row_bytes = op.n_out, op.n_in, op.row_bytes
+        round_rows, kind, ggml = activations.round_rows_numba(), activations.activation_kind(op.ggml_type), op.numerics == "ggml"
 
         @numba_basic.numba_njit
         def quantized_matmul(x, w):
             if x.shape[1] != n_in or w.shape[0] != n_out or w.shape[1] != row_bytes:
                 raise ValueError("QuantizedMatmul: x or w does not have the shape the Op was built for")
-            return driver(np.ascontiguousarray(x), np.ascontiguousarray(w))
+            xc = round_rows(np.ascontiguousarray(x), kind) if ggml else np.ascontiguousarray(x)
+            return driver(xc, np.ascontiguousarray(w))
 
         # PyTensor caches the compiled wrapper (with our driver linked in) under a key made of the Op's props
         # and this integer: salt it with this file's source, so that editing the kernels invalidates it.

@@ -86,18 +86,33 @@ class _KernelCOp(COp):
         return _c_version()
 
 
-class QuantizedMatmul(_KernelCOp):
-    """x (T, n_in) float32, w (n_out, row_bytes) uint8 GGUF rows -> (T, n_out) float32 = x @ dequant(w).T."""
+NUMERICS = ("exact", "ggml")
 
-    __props__ = ("ggml_type", "n_out", "n_in")
+
+def check_numerics(numerics: str) -> str:
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
+    return numerics
+
+
+class QuantizedMatmul(_KernelCOp):
+    """x (T, n_in) float32, w (n_out, row_bytes) uint8 GGUF rows -> (T, n_out) float32 = x @ dequant(w).T.
+
+    numerics="exact": float32 products with the exactly dequantized weights. numerics="ggml": llama.cpp's CPU
+    arithmetic, x @ dequant(w).T with each row of x first rounded to its ggml activation blocks
+    (alchemist.kernels.activations); on C integer dot products per block, as ggml-cpu takes them.
+    """
+
+    __props__ = ("ggml_type", "n_out", "n_in", "numerics")
     # n_out and n_in reach the C code as run-time parameters: every shape of one ggml type shares one module
     params_type = ParamsType(n_out=int64, n_in=int64)
 
-    def __init__(self, ggml_type: str, n_out: int, n_in: int):
+    def __init__(self, ggml_type: str, n_out: int, n_in: int, numerics: str = "exact"):
         formats.block_size(ggml_type)  # raises for unsupported types
         self.ggml_type = ggml_type
         self.n_out = int(n_out)
         self.n_in = int(n_in)
+        self.numerics = check_numerics(numerics)
         self.row_bytes = formats.row_bytes(ggml_type, self.n_in)
         super().__init__()
 
@@ -137,6 +152,10 @@ class QuantizedMatmul(_KernelCOp):
         x, w = inputs
         self._check(x, w)
         weights = formats.reference_dequantize(w, self.ggml_type)
+        if self.numerics == "ggml":
+            from alchemist.kernels.activations import round_rows
+
+            x = round_rows(x, self.ggml_type)
         output_storage[0][0] = np.asarray(x @ weights.T, dtype=np.float32)
 
     def pullback(self, inputs, outputs, output_grads):
@@ -157,7 +176,8 @@ class QuantizedMatmul(_KernelCOp):
         fail = sub["fail"]
         params = sub["params"]
         qk, bs = formats.block_size(self.ggml_type)
-        kernel = f"alchemist_q::run<alchemist_q::{self.ggml_type}>"
+        runner = "run_ggml" if self.numerics == "ggml" else "run"
+        kernel = f"alchemist_q::{runner}<alchemist_q::{self.ggml_type}>"
         return f"""
         {{
             PyArrayObject *xc_ = NULL, *wc_ = NULL;
@@ -325,15 +345,16 @@ class QuantizedExpertMatmul(_KernelCOp):
     expert runs QuantizedMatmul's kernel once over the tokens routed to it, so y[t, j] equals that kernel's
     one-token product."""
 
-    __props__ = ("ggml_type", "n_expert", "n_out", "n_in")
+    __props__ = ("ggml_type", "n_expert", "n_out", "n_in", "numerics")
     params_type = ParamsType(n_expert=int64, n_out=int64, n_in=int64)
 
-    def __init__(self, ggml_type: str, n_expert: int, n_out: int, n_in: int):
+    def __init__(self, ggml_type: str, n_expert: int, n_out: int, n_in: int, numerics: str = "exact"):
         formats.block_size(ggml_type)
         self.ggml_type = ggml_type
         self.n_expert = int(n_expert)
         self.n_out = int(n_out)
         self.n_in = int(n_in)
+        self.numerics = check_numerics(numerics)
         self.row_bytes = formats.row_bytes(ggml_type, self.n_in)
         super().__init__()
 
@@ -384,6 +405,10 @@ class QuantizedExpertMatmul(_KernelCOp):
         self._check(x, w, ids)
         T, K = ids.shape
         y = np.empty((T, K, self.n_out), dtype=np.float32)
+        if self.numerics == "ggml":
+            from alchemist.kernels.activations import round_rows
+
+            x = round_rows(x.reshape(-1, self.n_in), self.ggml_type).reshape(x.shape)
         for e in np.unique(ids):
             weights = formats.reference_dequantize(w[e], self.ggml_type)
             for t, j in zip(*np.nonzero(ids == e)):
@@ -396,7 +421,7 @@ class QuantizedExpertMatmul(_KernelCOp):
         fail = sub["fail"]
         params = sub["params"]
         qk, bs = formats.block_size(self.ggml_type)
-        kernel = f"alchemist_q::run_experts<alchemist_q::{self.ggml_type}>"
+        kernel = f"alchemist_q::run_experts<alchemist_q::{self.ggml_type}, {int(self.numerics == 'ggml')}>"
         per_rank = int(node.inputs[0].type.ndim == 3)
         return f"""
         {{
@@ -482,12 +507,24 @@ def dequantize_then_dot(x, w, ggml_type: str, n_out: int, n_in: int):
     return pt.dot(x, weights.T)
 
 
+def round_for(op, x):
+    """x as the Op multiplies it: rounded in the graph to its ggml activation blocks when op.numerics == "ggml"."""
+    if op.numerics != "ggml":
+        return x
+    from alchemist.kernels.activations import activation_kind, ACT_Q8_K
+    from alchemist.kernels.graph_rounding import round_like_q8_0, round_like_q8_k
+
+    flat = x.reshape((-1, op.n_in))
+    rounded = round_like_q8_k(flat) if activation_kind(op.ggml_type) == ACT_Q8_K else round_like_q8_0(flat)
+    return rounded.reshape(x.shape)
+
+
 @node_rewriter([QuantizedMatmul])
 def expand_quantized_matmul(fgraph, node):
     """For backends without a kernel (JAX, MLX): QuantizedMatmul -> dequantize_then_dot."""
     op = node.op
     x, w = node.inputs
-    new = dequantize_then_dot(x, w, op.ggml_type, op.n_out, op.n_in)
+    new = dequantize_then_dot(round_for(op, x), w, op.ggml_type, op.n_out, op.n_in)
     old = node.outputs[0]
     return [new if new.type == old.type else old.type.filter_variable(new, allow_convert=True)]
 
@@ -524,7 +561,7 @@ def expand_quantized_expert_matmul(fgraph, node):
     x, w, ids = node.inputs
     if None in ids.type.shape:
         return None  # the symbolic dequantizer needs static shapes; perform() will run instead
-    new = dequantize_experts_then_matmul(x, w, ids, op.ggml_type, op.n_expert, op.n_out, op.n_in)
+    new = dequantize_experts_then_matmul(round_for(op, x), w, ids, op.ggml_type, op.n_expert, op.n_out, op.n_in)
     old = node.outputs[0]
     return [new if new.type == old.type else old.type.filter_variable(new, allow_convert=True)]
 

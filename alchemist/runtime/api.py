@@ -18,7 +18,7 @@ from alchemist.errors import AlchemistError
 from alchemist.gguf_io import read_gguf
 from alchemist.ir import ModelIR
 from alchemist.paths import cache_subdir
-from alchemist.runtime.backends import blas_info, require_backend, uses_quantized_kernels
+from alchemist.runtime.backends import blas_info, check_weights, require_backend
 from alchemist.runtime.numerics import DEFAULT as DEFAULT_NUMERICS
 from alchemist.runtime.numerics import check_numerics, with_numerics
 from alchemist.runtime.sampling import Sampler, SamplingParams
@@ -59,7 +59,8 @@ class LoadedModel:
     weights_seconds: float
     compile_seconds: float
     peak_rss_mb: float
-    numerics: str = DEFAULT_NUMERICS
+    weights: str = "quantized"  # how the quantized tensors are held: "quantized" (GGUF blocks) or "float32"
+    numerics: str = DEFAULT_NUMERICS  # what the engine computes with (alchemist.runtime.numerics)
     _scheduler: object | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -152,11 +153,20 @@ def load_llm(
     generated_dir: str | os.PathLike | None = None,
     progress: bool = True,
     compile_now: bool = True,
+    weights: str | None = None,
     numerics: str = DEFAULT_NUMERICS,
 ) -> LoadedModel:
     """Generate (or reuse) the PyTensor module for a GGUF file (or a reference model's name), load its weights
-    and compile decoding. `numerics`: "ggml" computes as llama.cpp's CPU backend does (activations rounded to
-    each weight's vec_dot_type, ggml's GELU table), "exact" multiplies exact activations (runtime.numerics)."""
+    and compile decoding.
+
+    weights: "quantized" keeps quantized tensors in their GGUF blocks (on C and Numba, read-only views of the
+    file's memory map: no copy); "float32" dequantizes them once at load. None: the backend's default
+    (alchemist.runtime.backends.default_weights: quantized on C and Numba, float32 on JAX and MLX, where the
+    quantized graph dequantizes every weight on every step: less steady memory, much slower decoding).
+    numerics: "ggml" (default) computes as llama.cpp's CPU backend does (activations rounded to each weight's
+    vec_dot_type, ggml's GELU table), "exact" multiplies exact activations (alchemist.runtime.numerics); the
+    model's `module` stays the generated module (what alchemist.symbolic differentiates), `engine.module` is
+    the one the engine computes with."""
     from alchemist.audit import require_passing_audit
     from alchemist.runtime.engine import Engine, import_generated
 
@@ -164,6 +174,7 @@ def load_llm(
 
     require_backend(backend)
     check_numerics(numerics)
+    weights_format = check_weights(weights, backend)
     t0 = time.perf_counter()
     path = resolve_model(path)  # a file, or a reference model's name ("gemma-3-270m")
     facts = read_gguf(path)
@@ -173,18 +184,22 @@ def load_llm(
     module = import_generated(module_path)
     total = sum(t.nbytes for t in ir.tensors)
     t_w = time.perf_counter()
-    quantized = uses_quantized_kernels(backend)
+    quantized = weights_format == "quantized"
     if progress:
         from tqdm.auto import tqdm  # imported only to show the bar (tqdm.auto takes ~0.1 s to import)
 
         with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", leave=False) as bar:
-            weights = module.load_weights(path, progress=lambda name, nbytes: bar.update(nbytes), quantized=quantized)
+            tensors = module.load_weights(path, progress=lambda name, nbytes: bar.update(nbytes), quantized=quantized)
     else:
-        weights = module.load_weights(path, quantized=quantized)
+        tensors = module.load_weights(path, quantized=quantized)
     weights_seconds = time.perf_counter() - t_w
     capacity = max(1, min(int(context), ir.n_ctx_train))
-    engine = Engine(with_numerics(module, numerics), weights, backend, capacity)
-    del weights
+    engine = Engine(with_numerics(module, numerics), tensors, backend, capacity)
+    del tensors
+    if progress:  # a bar while a step function compiles: rewriting, then C modules linked / total
+        from alchemist.runtime.compile_progress import TqdmProgress
+
+        engine.compile_progress = TqdmProgress()
     tokenizer = _load_tokenizer(path, facts)
     if compile_now:
         engine.step_function(1)
@@ -201,8 +216,32 @@ def load_llm(
         weights_seconds=weights_seconds,
         compile_seconds=engine.stats.compile_seconds,
         peak_rss_mb=peak_rss_mb(),
+        weights=weights_format,
         numerics=numerics,
     )
+
+
+def precompile(model: LoadedModel, input=None, chat: bool | None = None, add_special_tokens: bool = True) -> float:
+    """Compile (or link from the graph cache) the step functions inference(model, input) will run: the prompt's
+    prefill buckets and decode, pipelined (see Engine.precompile), so that a cold start rewrites one graph while
+    the other's C modules build. Without `input`, decode only. The time is added to model.load_seconds and
+    model.compile_seconds (as load_llm's own decode compile is); returns it."""
+    engine = model.engine
+    keys = []
+    if input is not None:
+        prompt, _ = _prompt_ids(model, input, chat, add_special_tokens)
+        pos, left = 0, min(len(prompt), engine.capacity)
+        while left > 0 and len(prompt) > 1:  # the chunks engine.run cuts a prompt into (one token: decode)
+            b = engine.bucket(left, pos)
+            keys.append((b, False))
+            pos, left = pos + min(b, left), left - min(b, left)
+    keys.append((1, False))
+    t0 = time.perf_counter()
+    engine.precompile(keys)
+    seconds = time.perf_counter() - t0
+    model.load_seconds += seconds
+    model.compile_seconds = engine.stats.compile_seconds
+    return seconds
 
 
 def _prompt_ids(model: LoadedModel, input, chat: bool | None, add_special_tokens: bool) -> tuple[list[int], dict]:
@@ -281,6 +320,7 @@ def _report_head(model, prompt, out_ids, stop_reason) -> dict:
     return {
         "backend": model.backend,
         "numerics": model.numerics,
+        "weights": model.weights,
         "blas": blas_info() if model.backend == "c" else None,
         "alchemist": __version__,
         "model": model.ir.model_name,
@@ -439,4 +479,4 @@ def _inference_batched(model, prompt, info, max_tokens, params, stop, stream, va
     return result
 
 
-__all__ = ["InferenceResult", "LoadedModel", "inference", "load_llm", "write_generated", "asdict"]
+__all__ = ["InferenceResult", "LoadedModel", "inference", "load_llm", "precompile", "write_generated", "asdict"]

@@ -16,7 +16,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from alchemist.errors import BackendUnavailableError
+from alchemist.errors import AlchemistError, BackendUnavailableError
 
 BACKENDS = ("c", "numba", "jax", "mlx")
 _REQUIRED_PACKAGE = {"numba": "numba", "jax": "jax", "mlx": "mlx"}
@@ -126,9 +126,14 @@ def get_mode(name: str):
     require_backend(name)
     from pytensor.compile.mode import Mode, get_mode as pytensor_mode
 
+    from alchemist.runtime import rewrites
+
+    rewrites.register()
     if name == "c":
-        return Mode(linker="cvm", optimizer="fast_run")
-    return pytensor_mode({"numba": "NUMBA", "jax": "JAX", "mlx": "MLX"}[name])
+        return Mode(linker="cvm", optimizer="fast_run").including(rewrites.TAG)
+    mode = pytensor_mode({"numba": "NUMBA", "jax": "JAX", "mlx": "MLX"}[name])
+    # Numba compiles each distinct fused Composite too; JAX and MLX fuse on their own
+    return mode.including(rewrites.TAG) if name == "numba" else mode
 
 
 def static_shapes(name: str) -> bool:
@@ -137,10 +142,31 @@ def static_shapes(name: str) -> bool:
 
 
 # Backends that multiply quantized weights in their GGUF blocks (alchemist.kernels' C and Numba kernels).
-# JAX and MLX would dequantize a whole weight on every call, so they get float32 weights instead.
 KERNEL_BACKENDS = ("c", "numba")
+# How load_llm holds the KERNEL_WEIGHTS: "quantized" (GGUF blocks: on C and Numba read-only views of the file's
+# memory map, on JAX and MLX a copy in the framework's memory, dequantized inside every step's graph) or
+# "float32" (dequantized once at load time, ~4-7x the bytes).
+WEIGHT_FORMATS = ("quantized", "float32")
 
 
-def uses_quantized_kernels(name: str) -> bool:
-    """True when `name` should load weights with load_weights(..., quantized=True)."""
-    return name in KERNEL_BACKENDS
+def default_weights(name: str) -> str:
+    """The weight format a backend gets unless asked: "quantized" where kernels multiply GGUF blocks; "float32"
+    on JAX and MLX, where the graph dequantizes every weight on every step: on gemma-3-270m (benchmarks/memory.py)
+    decoding was 2-5x (JAX) and 10-12x (MLX) slower, and peak RSS hardly lower (the dequantized temporaries of a
+    prefill step are float32 weights again: JAX 1.9 GB vs 2.2, MLX 2.3 GB vs 2.2), though steady RSS is lower."""
+    return "quantized" if name in KERNEL_BACKENDS else "float32"
+
+
+def check_weights(weights: str | None, backend: str) -> str:
+    """`weights` ("quantized", "float32", or None for the backend's default), checked."""
+    if weights is None:
+        return default_weights(backend)
+    if weights not in WEIGHT_FORMATS:
+        raise AlchemistError(f"unknown weights {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    return weights
+
+
+def uses_quantized_kernels(name: str, weights: str | None = None) -> bool:
+    """True when `name` should load weights with load_weights(..., quantized=True) (for `weights`, or the
+    backend's default format)."""
+    return check_weights(weights, name) == "quantized"

@@ -20,7 +20,7 @@ from types import ModuleType
 import numpy as np
 
 from alchemist.errors import AlchemistError
-from alchemist.runtime import fast_link, graph_cache
+from alchemist.runtime import compile_progress, fast_link, graph_cache, parallel_build
 from alchemist.runtime.backends import configure_pytensor, get_mode, restore_gcc_march_flags, static_shapes
 
 configure_pytensor()
@@ -30,6 +30,9 @@ import pytensor.tensor as pt  # noqa: E402
 
 restore_gcc_march_flags()
 fast_link.enable()
+parallel_build.install()
+# last: its wrappers go around fast_link's and parallel_build's (a prebuilt module counts as compiled)
+compile_progress.install()
 
 PREFILL_BUCKETS = (8, 32, 128, 512)
 
@@ -98,19 +101,47 @@ class StepStats:
     compiled_shapes: list = field(default_factory=list)
 
 
-def load_or_compile(stats, t0: float, cache_key: str | None, shared: dict, mode, build):
+def rewrite_step(inputs, outputs, updates, mode):
+    """What pytensor.function(inputs, outputs, updates=...) does before linking: the FunctionMaker holding the
+    rewritten graph (its create() links it). On the C backend the graph's missing C modules start building with
+    g++ in the background right away (alchemist.runtime.parallel_build), so another step can be rewritten
+    meanwhile."""
+    from pytensor.compile.rebuild import construct_function_ins_and_outs
+
+    ins, outs = construct_function_ins_and_outs(inputs, outputs, updates=updates)
+    maker = mode.function_maker(ins, outs, mode, accept_inplace=True, on_unused_input="ignore")
+    maker.alchemist_prebuilt = parallel_build.prebuild(maker.fgraph) if _links_c_thunks(mode) else []
+    return maker
+
+
+def _links_c_thunks(mode) -> bool:
+    """True for a mode whose linker builds C thunks (the C backend's CVM), not Numba's, JAX's or MLX's."""
+    from pytensor.link.vm import VMLinker
+
+    return isinstance(mode.linker, VMLinker) and mode.linker.c_thunks is not False
+
+
+def link_step(maker, cache_key: str | None):
+    """Link a rewritten step (waiting for its prebuilt C modules) and store its graph in the graph cache."""
+    try:
+        fn = maker.create()
+    finally:
+        parallel_build.discard_unused(getattr(maker, "alchemist_prebuilt", []))
+    if cache_key:
+        graph_cache.save(cache_key, fn)
+    return fn
+
+
+def load_or_compile(stats, t0: float, cache_key: str | None, shared: dict, mode, build, label="", progress=None):
     """A step function linked from the rewritten-graph cache, or compiled from build() -> (inputs, outputs,
-    updates) and saved there; counted in stats (time since t0, one compile)."""
-    fn = graph_cache.load(cache_key, shared, mode) if cache_key else None
-    if fn is not None:
-        stats.graph_cache_hits += 1
-    else:
-        inputs, logits, updates = build()
-        fn = pytensor.function(
-            inputs, logits, updates=updates, mode=mode, accept_inplace=True, on_unused_input="ignore"
-        )
-        if cache_key:
-            graph_cache.save(cache_key, fn)
+    updates) and saved there; counted in stats (time since t0, one compile). `progress` receives
+    alchemist.runtime.compile_progress.CompileEvent's about `label` while it compiles."""
+    with compile_progress.tracking(label, progress):
+        fn = graph_cache.load(cache_key, shared, mode) if cache_key else None
+        if fn is not None:
+            stats.graph_cache_hits += 1
+        else:
+            fn = link_step(rewrite_step(*build(), mode), cache_key)
     stats.compile_seconds += time.perf_counter() - t0
     stats.compile_count += 1
     return fn
@@ -138,6 +169,8 @@ class Engine:
             for il, layer in enumerate(layer_caches(module))
         ]
         self.stats = StepStats()
+        # called with CompileEvent's while a step function compiles (compile_progress.TqdmProgress draws a bar)
+        self.compile_progress = None
         self._functions: dict[tuple[int, bool], object] = {}
         # held by every call that runs or compiles a step function: the cache is one shared buffer updated
         # in place, so two threads' steps must not interleave (re-entrant: inference() holds it around run())
@@ -247,18 +280,51 @@ class Engine:
         return fn
 
     def _compile_step(self, key: tuple[int, bool]):
-        n_tokens, all_logits = key
         fn = self._functions.get(key)  # another thread may have compiled it while this one waited
         if fn is None:
-            t0 = time.perf_counter()
-            shared = self._shared_by_name()
-            cache_key = self._graph_cache_key(n_tokens, all_logits, shared)
-            fn = load_or_compile(
-                self.stats, t0, cache_key, shared, self.mode, lambda: self._build(n_tokens, all_logits)
-            )
-            self.stats.compiled_shapes.append(key)
-            self._functions[key] = fn
+            self.precompile([key])
+            fn = self._functions[key]
         return fn
+
+    @staticmethod
+    def _label(key: tuple[int, bool]) -> str:
+        n_tokens, all_logits = key
+        return ("decode" if n_tokens == 1 else f"prefill {n_tokens}") + (" (all logits)" if all_logits else "")
+
+    def precompile(self, keys) -> None:
+        """Compile (or link from the graph cache) the step functions of `keys`, (n_tokens, all_logits) each.
+
+        Several are compiled as a pipeline: every graph is rewritten first, each one's missing C modules
+        building with g++ in the background while the next is rewritten; then each is linked. On a cold start
+        that overlaps the rewrites (Python, one core) with g++ (the other cores)."""
+        with self.lock:
+            pending = []
+            for key in dict.fromkeys(tuple(k) for k in keys):
+                if key in self._functions:
+                    continue
+                t0 = time.perf_counter()
+                shared = self._shared_by_name()
+                cache_key = self._graph_cache_key(*key, shared)
+                with compile_progress.tracking(self._label(key), self.compile_progress):
+                    fn = graph_cache.load(cache_key, shared, self.mode) if cache_key else None
+                    if fn is None:
+                        maker = rewrite_step(*self._build(*key), self.mode)
+                if fn is not None:
+                    self.stats.graph_cache_hits += 1
+                    self._add_function(key, fn, t0)
+                else:
+                    pending.append((key, maker, cache_key, time.perf_counter() - t0))
+            for key, maker, cache_key, rewrite_s in pending:
+                t0 = time.perf_counter()
+                with compile_progress.tracking(self._label(key), self.compile_progress):
+                    fn = link_step(maker, cache_key)
+                self._add_function(key, fn, t0 - rewrite_s)
+
+    def _add_function(self, key: tuple[int, bool], fn, t0: float) -> None:
+        self.stats.compile_seconds += time.perf_counter() - t0
+        self.stats.compile_count += 1
+        self.stats.compiled_shapes.append(key)
+        self._functions[key] = fn
 
     def _shared_by_name(self) -> dict:
         shared = dict(self.weights)

@@ -56,6 +56,7 @@ _GRAPH_SOURCES = (
     "runtime/engine.py",
     "runtime/slot_engine.py",
     "runtime/backends.py",
+    "runtime/rewrites.py",
     "runtime/graph_cache.py",
     "runtime/numerics.py",  # the "ggml" numerics copy's roundings
 )

@@ -14,27 +14,33 @@
   -10 < x < 10.
 
 Generated modules never change: `with_numerics(module, "ggml")` returns a fresh copy of the module whose
-kernels, project() and gelu() compute that way. The copy is re-snapshotted under a source hash of its own, so
-its step graphs go to (and load from) the on-disk graph cache like the exact module's, under other keys.
+kernels, project() and gelu() compute that way: the kernels with numerics="ggml" for weights in GGUF blocks,
+alchemist.kernels.graph_rounding before the float32 product for weights held as float32 (F16/F32 tensors;
+every weight on JAX/MLX by default), alchemist.kernels.gelu's table GELU. The copy is re-snapshotted under a
+source hash of its own, so its step graphs go to (and load from) the on-disk graph cache like the exact
+module's, under other keys.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
-import pytensor.tensor as pt
-
 from alchemist.errors import AlchemistError
+from alchemist.kernels.gelu import gelu_fp16_table, gelu_table  # noqa: F401 (gelu_fp16_table re-exported)
+from alchemist.kernels.graph_rounding import (  # noqa: F401 (_mul_f32, _div_f32 re-exported)
+    Q8_0_SOURCES,
+    Q8_K_SOURCES,
+    _div_f32,
+    _fp16,
+    _mul_f32,
+    round_like_q8_0,
+    round_like_q8_k,
+)
 
 NUMERICS = ("ggml", "exact")
 DEFAULT = "ggml"
-
-Q8_0_SOURCES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "MXFP4")
-Q8_K_SOURCES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 _NUMERICS_ATTR = "_alchemist_numerics"
 
@@ -61,61 +67,7 @@ def numerics_of(module: ModuleType) -> str:
     return getattr(module, _NUMERICS_ATTR, "exact")
 
 
-# -- llama.cpp's roundings, as PyTensor expressions --------------------------------------------------------
-def _fp16(x):
-    """float32 x rounded to the nearest fp16 value (ties to even; fp16 subnormals below 2^-14), as float32.
-
-    Computed in float64 rather than through a float16 cast: PyTensor has no C code for float16, and a fused
-    elementwise loop containing one falls back to Python for every element (minutes per step on a real model).
-    Dividing by the power of two `step` and multiplying back are exact, so only the rounding rounds. Values
-    beyond fp16's range (65504) are not turned into inf: activations and their block scales never reach it.
-    """
-    x64 = pt.as_tensor_variable(x).astype("float64")
-    magnitude = pt.abs(x64)
-    exponent = pt.maximum(pt.floor(pt.log2(pt.switch(magnitude > 0, magnitude, 1.0))), -14.0)
-    step = pt.exp2(exponent - 10.0)  # fp16 keeps 10 bits after the leading one
-    return (pt.round(x64 / step, mode="half_to_even") * step).astype("float32")
-
-
-def _mul_f32(x, scale):
-    """float32(x · scale), exactly as C computes it.
-
-    Written plainly, PyTensor's rewrites sink the product into the switch that guards a zero scale and
-    canonicalize x · (127 / m) into (x · 127) / m, which rounds differently (41.499996 becomes 41.5, so an
-    activation lands on the other integer). The product of two float32 values is exact in float64, so
-    casting both up, multiplying, and casting back gives the float32 product whatever the rewrites do.
-    """
-    return (x.astype("float64") * scale.astype("float64")).astype("float32")
-
-
-def _div_f32(x, y):
-    """float32(x / y), correctly rounded: the rewrites would turn 1 / (-127 / m) into m / -127 (see _mul_f32);
-    a float64 quotient rounded to float32 is the correctly rounded float32 quotient (53 >= 2·24 + 2 bits)."""
-    return (pt.as_tensor_variable(x).astype("float64") / y.astype("float64")).astype("float32")
-
-
-def round_like_q8_0(x):
-    """x (..., n), n % 32 == 0 -> the values llama.cpp's Q8_0 activation blocks represent."""
-    x = pt.as_tensor_variable(x)
-    blocks = x.reshape((-1, 32))  # blocks never straddle rows: n is a multiple of 32
-    amax = pt.max(pt.abs(blocks), axis=-1, keepdims=True)
-    inverse = pt.switch(pt.eq(amax, 0), np.float32(0), np.float32(127) / amax)
-    q = pt.round(_mul_f32(blocks, inverse), mode="half_to_even")
-    return _mul_f32(q, _fp16(amax / np.float32(127))).reshape(x.shape)
-
-
-def round_like_q8_k(x):
-    """x (..., n), n % 256 == 0 -> the values llama.cpp's Q8_K activation blocks represent."""
-    x = pt.as_tensor_variable(x)
-    blocks = x.reshape((-1, 256))
-    hi, lo = pt.max(blocks, axis=-1, keepdims=True), pt.min(blocks, axis=-1, keepdims=True)
-    signed_max = pt.switch(hi >= -lo, hi, lo)  # ggml takes the first element of largest |x| (ties aside)
-    zero = pt.eq(signed_max, 0)
-    iscale = np.float32(-127) / pt.switch(zero, np.float32(1), signed_max)
-    q = pt.minimum(pt.round(_mul_f32(blocks, iscale), mode="half_to_even"), np.float32(127))
-    return pt.switch(zero, np.float32(0), _mul_f32(q, _div_f32(np.float32(1), iscale))).reshape(x.shape)
-
-
+# -- llama.cpp's roundings, as PyTensor expressions (the kernels' own, alchemist.kernels.graph_rounding / gelu) --
 def round_activations(x, weight_type: str):
     """The activation a llama.cpp CPU matmul with a `weight_type` weight actually multiplies."""
     if weight_type in Q8_0_SOURCES:
@@ -127,52 +79,17 @@ def round_activations(x, weight_type: str):
     return x
 
 
-def gelu_fp16_table(x):
-    """ggml's table GELU: gelu of the fp16-rounded input, rounded to fp16; exact outside (-10, 10)."""
-    x16 = _fp16(x)
-    g = (
-        np.float32(0.5)
-        * x16
-        * (1 + pt.tanh(np.float32(0.7978845608028654) * x16 * (1 + np.float32(0.044715) * x16 * x16)))
-    )
-    return pt.switch(x <= -10, np.float32(0), pt.switch(x >= 10, x, _fp16(g)))
-
-
 # -- the ggml copy of a generated module ------------------------------------------------------------------
-def _takes_numerics(kernel) -> bool:
-    try:
-        return "numerics" in inspect.signature(kernel).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def ggml_kernels(quantized_linear, quantized_expert_linear=None):
-    """(linear, expert_linear): the kernels called with numerics="ggml" where they take the keyword, else the
-    exact kernel on the activation rounded in the graph (the same values up to float32 summation order)."""
-    if _takes_numerics(quantized_linear):
+    """(linear, expert_linear): the generated module's kernels, called with numerics="ggml"."""
 
-        def linear(x, w_blocks, ggml_type, n_out, n_in):
-            return quantized_linear(x, w_blocks, ggml_type, n_out, n_in, numerics="ggml")
+    def linear(x, w_blocks, ggml_type, n_out, n_in):
+        return quantized_linear(x, w_blocks, ggml_type, n_out, n_in, numerics="ggml")
 
-    else:
+    def expert_linear(x, w_blocks, ids, ggml_type, n_expert, n_out, n_in):
+        return quantized_expert_linear(x, w_blocks, ids, ggml_type, n_expert, n_out, n_in, numerics="ggml")
 
-        def linear(x, w_blocks, ggml_type, n_out, n_in):
-            return quantized_linear(round_activations(x, ggml_type), w_blocks, ggml_type, n_out, n_in)
-
-    if quantized_expert_linear is None:
-        return linear, None
-    if _takes_numerics(quantized_expert_linear):
-
-        def expert_linear(x, w_blocks, ids, ggml_type, n_expert, n_out, n_in):
-            return quantized_expert_linear(x, w_blocks, ids, ggml_type, n_expert, n_out, n_in, numerics="ggml")
-
-    else:
-
-        def expert_linear(x, w_blocks, ids, ggml_type, n_expert, n_out, n_in):
-            x = round_activations(x, ggml_type)
-            return quantized_expert_linear(x, w_blocks, ids, ggml_type, n_expert, n_out, n_in)
-
-    return linear, expert_linear
+    return linear, (expert_linear if quantized_expert_linear is not None else None)
 
 
 def with_numerics(module: ModuleType, numerics: str = DEFAULT) -> ModuleType:
@@ -211,7 +128,7 @@ def with_numerics(module: ModuleType, numerics: str = DEFAULT) -> ModuleType:
 
         copy.project_experts = project_experts
     if hasattr(copy, "gelu"):
-        copy.gelu = gelu_fp16_table
+        copy.gelu = gelu_table  # ggml's fp16 table: a C op on C, the same values as PyTensor ops elsewhere
     copy.__dict__[_NUMERICS_ATTR] = numerics
     # re-snapshot: the patched copy is "as imported" for the graph cache, under a hash that is not the exact
     # module's (the rounding code itself is hashed with alchemist's sources, runtime/numerics.py)
