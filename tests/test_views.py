@@ -81,7 +81,7 @@ def test_graph_quantized_weights_are_uint8_blocks_on_c_and_float32_on_jax(q8_gem
     assert norm.type.dtype == "float32"
     text = run_graph(q8_gemma3, 0)
     assert "blk.0.attn_q.weight                Q8_0  as uint8 blocks (256, 272)" in text
-    assert "QuantizedMatmul{ggml_type='Q8_0', n_out=256, n_in=256}" in text
+    assert "QuantizedMatmul{ggml_type='Q8_0', n_out=256, n_in=256, numerics='exact'}" in text
     if "jax" in _available_backends():
         g = build_layer_graph(q8_gemma3, 0, "jax")
         assert all(v.type.dtype != "uint8" for v in g.inputs)

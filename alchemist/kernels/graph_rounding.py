@@ -11,6 +11,17 @@ Q8_0_SOURCES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "MXFP4")
 Q8_K_SOURCES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
+def round_half_even(x):
+    """x rounded to the nearest integer, ties to even, from floor (MLX has no round-half-to-even op): floor(x + 1/2)
+    is right except at a tie that lands on an odd integer, which goes one down. Computed in float64, where x + 1/2
+    is exact for any float32 x (and for float64 x below 2^52)."""
+    x64 = pt.as_tensor_variable(x).astype("float64")
+    r = pt.floor(x64 + 0.5)
+    tie = pt.eq(r - x64, 0.5)
+    odd = pt.eq(r - 2 * pt.floor(r * 0.5), 1)
+    return (r - pt.and_(tie, odd).astype("float64")).astype(x.dtype)
+
+
 def _fp16(x):
     """float32 x rounded to the nearest fp16 value (ties to even; fp16 subnormals below 2^-14), as float32.
 
@@ -22,8 +33,9 @@ def _fp16(x):
     x64 = pt.as_tensor_variable(x).astype("float64")
     magnitude = pt.abs(x64)
     exponent = pt.maximum(pt.floor(pt.log2(pt.switch(magnitude > 0, magnitude, 1.0))), -14.0)
-    step = pt.exp2(exponent - 10.0)  # fp16 keeps 10 bits after the leading one
-    return (pt.round(x64 / step, mode="half_to_even") * step).astype("float32")
+    # fp16 keeps 10 bits after the leading one; a power of two (pow is exact for integer exponents; MLX has no exp2)
+    step = pt.power(np.float64(2.0), exponent - 10.0)
+    return (round_half_even(x64 / step) * step).astype("float32")
 
 
 def _mul_f32(x, scale):
@@ -48,7 +60,7 @@ def round_like_q8_0(x):
     blocks = x.reshape((x.shape[0], -1, 32))
     amax = pt.max(pt.abs(blocks), axis=-1, keepdims=True)
     inverse = pt.switch(pt.eq(amax, 0), np.float32(0), np.float32(127) / amax)
-    q = pt.round(_mul_f32(blocks, inverse), mode="half_to_even")
+    q = round_half_even(_mul_f32(blocks, inverse))
     return _mul_f32(q, _fp16(amax / np.float32(127))).reshape(x.shape)
 
 
@@ -59,5 +71,5 @@ def round_like_q8_k(x):
     signed_max = pt.switch(hi >= -lo, hi, lo)  # ggml takes the first element of largest |x| (ties aside)
     zero = pt.eq(signed_max, 0)
     iscale = np.float32(-127) / pt.switch(zero, np.float32(1), signed_max)
-    q = pt.minimum(pt.round(_mul_f32(blocks, iscale), mode="half_to_even"), np.float32(127))
+    q = pt.minimum(round_half_even(_mul_f32(blocks, iscale)), np.float32(127))
     return pt.switch(zero, np.float32(0), _mul_f32(q, _div_f32(np.float32(1), iscale))).reshape(x.shape)
