@@ -34,6 +34,9 @@ C_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #ifndef ALCHEMIST_HAVE_BLAS
 #define ALCHEMIST_HAVE_BLAS 0
 #endif
@@ -497,28 +500,44 @@ static inline void dequantize_row(const uint8_t *row, idx_t nb, float *out) {
 }
 
 #if ALCHEMIST_HAVE_BLAS
-/* T >= BLAS_MIN_T: dequantize panels of rows (OpenMP) and multiply each with sgemm (threaded by the BLAS) */
+/* T >= BLAS_MIN_T: panels of rows, each dequantized and multiplied with sgemm by one OpenMP thread (the BLAS
+   itself runs single-threaded here, see backends._one_blas_thread: the threads split the panels instead) */
 enum { BLAS_MIN_T = 16 };
 template <class Q>
 static int run_blas(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, idx_t T, float *Y) {
     const idx_t nb = n_in / Q::QK, rb = nb * Q::BS;
-    idx_t panel = (idx_t)(1048576 / n_in) / 16 * 16; /* ~4 MB of float32 weights */
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    idx_t panel = (idx_t)(1048576 / n_in) / 16 * 16; /* at most ~4 MB of float32 weights per thread */
+    const idx_t share = ((n_out + threads - 1) / threads + 15) / 16 * 16; /* every thread gets a panel */
+    if (panel > share) panel = share;
     if (panel < 16) panel = 16;
     if (panel > n_out) panel = n_out;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(panel * n_in));
-    if (!buf) return -1;
-    for (idx_t o0 = 0; o0 < n_out; o0 += panel) {
-        const idx_t np_ = n_out - o0 < panel ? n_out - o0 : panel;
-#pragma omp parallel for schedule(static) if (np_ * rb >= 65536)
-        for (idx_t r = 0; r < np_; ++r) dequantize_row<Q>(W + (o0 + r) * rb, nb, buf + r * n_in);
-        /* column-major view: Y[o0:o0+np_, :] (ld n_out) = buf^T (np_ x n_in) @ X^T (n_in x T) */
-        char ta = 'T', tb = 'N';
-        int m = (int)np_, n = (int)T, k = (int)n_in, lda = (int)n_in, ldb = (int)n_in, ldc = (int)n_out;
-        float one = 1.0f, zero = 0.0f;
-        sgemm_(&ta, &tb, &m, &n, &k, &one, buf, &lda, X, &ldb, &zero, Y + o0, &ldc);
+    const idx_t n_panels = (n_out + panel - 1) / panel;
+    int status = 0;
+#pragma omp parallel if (n_panels > 1)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(panel * n_in));
+        if (!buf) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(dynamic)
+        for (idx_t p = 0; p < n_panels; ++p) {
+            if (!buf) continue;
+            const idx_t o0 = p * panel, np_ = n_out - o0 < panel ? n_out - o0 : panel;
+            for (idx_t r = 0; r < np_; ++r) dequantize_row<Q>(W + (o0 + r) * rb, nb, buf + r * n_in);
+            /* column-major view: Y[o0:o0+np_, :] (ld n_out) = buf^T (np_ x n_in) @ X^T (n_in x T) */
+            char ta = 'T', tb = 'N';
+            int m = (int)np_, n = (int)T, k = (int)n_in, lda = (int)n_in, ldb = (int)n_in, ldc = (int)n_out;
+            float one = 1.0f, zero = 0.0f;
+            sgemm_(&ta, &tb, &m, &n, &k, &one, buf, &lda, X, &ldb, &zero, Y + o0, &ldc);
+        }
+        free(buf);
     }
-    free(buf);
-    return 0;
+    return status;
 }
 #endif
 
