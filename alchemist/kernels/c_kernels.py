@@ -20,9 +20,10 @@ only by rounding order (the products q_j x_j are exact-input float32 products; d
 sub-block instead of per weight). For 1 < T < 16 each block is unpacked once and applied to every token,
 on the K-quants its quants converted to float once per group of 4 tokens whose multiply-add chains share
 them in registers; every token's operations stay in the same order, so row t of a T-token product equals the 1-token product of token t.
-For T >= 16 (prefill), when PyTensor has a BLAS: panels of ~1 MB of rows are dequantized exactly as
-gguf-py does (float32, no FMA contraction) and multiplied by sgemm, i.e. literally dequantize-then-matmul
-without ever holding more than one panel in float32.
+For T >= 16 (prefill), when PyTensor has a BLAS: panels of rows (at most ~4 MB of float32, at least one per
+OpenMP thread) are dequantized exactly as gguf-py does (float32, no FMA contraction) and multiplied by sgemm,
+each thread its own panels, i.e. literally dequantize-then-matmul without holding more than a panel per
+thread in float32.
 run_experts (the mixture-of-experts product) groups the (token, rank) pairs by their expert and runs each chosen
 expert's rows through the same kernel, its routed tokens as the batch; unchosen experts are never read.
 numerics="ggml" (run_ggml): llama.cpp's arithmetic, see the "ggml numerics" section below.
