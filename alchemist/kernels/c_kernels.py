@@ -898,12 +898,6 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
     return 0;
 }
 
-/* the activation quantization alone (tests compare it with ggml's quantize_row_q8_*): q (n) int8,
-   d (n / QK), s1 (n / QK), s16 (n / 16) */
-template <class Q>
-static void quantize_activation_row(const float *x, idx_t n, int8_t *q, float *d, float *s1, int32_t *s16) {
-    quantize_act_row<ActOf<Q>::KIND>(x, n, q, d, s1, s16);
-}
 
 /* Mixture of experts: Y[t, j, :] = X[t] (X[t, j] when x_per_rank) @ dequant(W[ids[t, j]]).T, W (n_expert, n_out,
    row bytes). The (t, j) pairs are grouped by expert and each expert's rows go through run<Q> once, with
