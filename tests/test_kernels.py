@@ -482,3 +482,46 @@ def test_gelu_table_equals_ggml_table(ggml_ref, backend):
     v = pt.vector("x", dtype="float32")
     got = np.asarray(pytensor.function([v], gelu_table(v), mode=get_mode(backend))(x))
     assert np.array_equal(got, want)
+
+
+def ggml_rms_norm_reference(x: np.ndarray, eps: float) -> np.ndarray:
+    """ggml_compute_forward_rms_norm_f32 in Python: float32 squares summed in order in double (Python float)."""
+    eps = np.float32(eps)
+    out = np.empty_like(x)
+    for r, row in enumerate(x.reshape(-1, x.shape[-1])):
+        total = 0.0
+        for v in row:
+            total += float(np.float32(v * v))
+        scale = np.float32(1) / np.sqrt(np.float32(np.float32(total / row.size) + eps))
+        out.reshape(-1, x.shape[-1])[r] = row * scale
+    return out
+
+
+@pytest.mark.parametrize("backend", ("c", "numba", "py"))
+def test_rms_norm_ggml_is_ggmls_bit_for_bit(backend):
+    """The ggml numerics' RMS norm equals ggml's loops exactly, also when a scale on x sits just before it (the
+    case PyTensor's canonicalizer folds into one division when the norm is written as graph ops)."""
+    from alchemist.kernels.rms_norm import rms_norm_formula, rms_norm_ggml
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((3, 5, 640)) * rng.uniform(0.01, 30, (3, 5, 1))).astype(np.float32)
+    x[0, 0, :32] *= 1000  # a massive activation
+    v = pt.tensor3("x", dtype="float32")
+    mode = "FAST_COMPILE" if backend == "py" else get_mode(backend)
+    scaled = v * np.float32(25.298222)
+    got = pytensor.function([v], rms_norm_ggml(scaled, 1e-6), mode=mode)(x)
+    want = ggml_rms_norm_reference(x * np.float32(25.298222), 1e-6)
+    assert np.array_equal(np.asarray(got), want)
+    # the same norm as graph ops (JAX and MLX compute it this way) agrees to float32 rounding only
+    formula = np.asarray(pytensor.function([v], rms_norm_formula(scaled, 1e-6), mode=get_mode("c"))(x))
+    np.testing.assert_allclose(formula, want, rtol=4e-7, atol=0)
+
+
+def test_rms_norm_ggml_on_jax_is_the_formula():
+    pytest.importorskip("jax")
+    from alchemist.kernels.rms_norm import rms_norm_ggml
+
+    x = np.random.default_rng(12).standard_normal((4, 64)).astype(np.float32)
+    v = pt.matrix("x", dtype="float32")
+    got = np.asarray(pytensor.function([v], rms_norm_ggml(v, 1e-5), mode=get_mode("jax"))(x))
+    np.testing.assert_allclose(got, ggml_rms_norm_reference(x, 1e-5), rtol=4e-7, atol=0)

@@ -107,6 +107,28 @@ def test_a_shared_engine_must_compute_with_the_files_numerics(fixture_files):
         validate_backend(q4, "c", None, PROMPT, 0, CONTEXT, engine=engine, quantized=False)
 
 
+
+@pytest.mark.parametrize("backend", ("c", "numba"))
+def test_ggml_rms_norm_is_llamacpps_bit_for_bit(fixture_files, backend):
+    """gemma3 scales its embeddings just before the first norm: written as graph ops, PyTensor folds the scale into
+    the norm's division and about half the normalized values differ from llama.cpp's in the last bit (each one
+    may flip a Q8 rounding in the next matmul). The ggml copy's norm is ggml's own loops. On C, whose integer
+    kernels sum as ggml does, the Q and K projections that follow (then normed per head) are exact too; Numba
+    multiplies the rounded activations in float32, in another order."""
+    pytest.importorskip("llama_cpp")
+    from alchemist.harness import LlamaCppOracle
+    from alchemist.harness.validate import load_for_validation, tap_values
+
+    path = str(fixture_files("gemma3", "Q8_0"))
+    loaded = load_for_validation(path, numerics="ggml")
+    ours = tap_values(Engine(loaded.module, loaded.weights_for(backend), backend, CONTEXT), PROMPT)
+    names = ["attn_norm-0", "Qcur_normed-0", "Kcur_normed-0"] if backend == "c" else ["attn_norm-0"]
+    with LlamaCppOracle(path, n_ctx=CONTEXT, n_threads=1) as oracle:
+        theirs = oracle.intermediates(PROMPT, names)
+    for name in names:
+        assert np.array_equal(ours[name].reshape(theirs[name].shape), theirs[name]), name
+
+
 # ------------------------------------------------------------------------------------------ the graph cache
 @pytest.fixture
 def graph_dir(tmp_path, monkeypatch):

@@ -127,9 +127,11 @@ def register_numba() -> None:
     """Register the Numba kernels now (otherwise done on the first compile in a mode with the "numba" tag)."""
     from alchemist.kernels.numba_experts import register_numba as _register_experts
     from alchemist.kernels.numba_kernels import register_numba as _register
+    from alchemist.kernels.rms_norm import register_numba as _register_rms_norm
 
     _register()
     _register_experts()
+    _register_rms_norm()
 
 
 def _install_lazy_numba_registration() -> None:
@@ -151,7 +153,9 @@ def _install_lazy_numba_registration() -> None:
 
     class _RegisterNumbaKernels(GraphRewriter):
         def apply(self, fgraph):
-            kernel_ops = (QuantizedMatmul, QuantizedEmbedding, QuantizedExpertMatmul)
+            from alchemist.kernels.rms_norm import RmsNormGgml
+
+            kernel_ops = (QuantizedMatmul, QuantizedEmbedding, QuantizedExpertMatmul, RmsNormGgml)
             if any(isinstance(node.op, kernel_ops) for node in fgraph.apply_nodes):
                 register_numba()
 

@@ -11,14 +11,14 @@
     largest magnitude) for the K-quants;
   - fp16 for F16 weights.
   Its GELU reads an fp16 lookup table (GGML_GELU_FP16, ggml-cpu/vec.h): gelu(x) = table[fp16(x)] for
-  -10 < x < 10.
+  -10 < x < 10. Its RMS norm sums the squares in double, in order (ggml_compute_forward_rms_norm_f32).
 
 Generated modules never change: `with_numerics(module, "ggml")` returns a fresh copy of the module whose
-kernels, project() and gelu() compute that way: the kernels with numerics="ggml" for weights in GGUF blocks,
-alchemist.kernels.graph_rounding before the float32 product for weights held as float32 (F16/F32 tensors;
-every weight on JAX/MLX by default), alchemist.kernels.gelu's table GELU. The copy is re-snapshotted under a
-source hash of its own, so its step graphs go to (and load from) the on-disk graph cache like the exact
-module's, under other keys.
+kernels, project(), gelu() and rms_norm() compute that way: the kernels with numerics="ggml" for weights in GGUF
+blocks, alchemist.kernels.graph_rounding before the float32 product for weights held as float32 (F16/F32
+tensors; every weight on JAX/MLX by default), alchemist.kernels.gelu's table GELU, alchemist.kernels.rms_norm's
+norm. The copy is re-snapshotted under a source hash of its own, so its step graphs go to (and load from) the
+on-disk graph cache like the exact module's, under other keys.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ import hashlib
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
+
 from alchemist.errors import AlchemistError
+from alchemist.kernels.rms_norm import rms_norm_ggml
 from alchemist.kernels.gelu import gelu_fp16_table, gelu_table  # noqa: F401 (gelu_fp16_table re-exported)
 from alchemist.kernels.graph_rounding import (  # noqa: F401 (_mul_f32, _div_f32 re-exported)
     Q8_0_SOURCES,
@@ -79,6 +82,16 @@ def round_activations(x, weight_type: str):
     return x
 
 
+def ggml_rms_norm(eps):
+    """A generated module's rms_norm(x, weight=None), normalizing with ggml's loops (alchemist.kernels.rms_norm)."""
+
+    def rms_norm(x, weight=None):
+        y = rms_norm_ggml(x, eps)
+        return y if weight is None else y * weight
+
+    return rms_norm
+
+
 # -- the ggml copy of a generated module ------------------------------------------------------------------
 def ggml_kernels(quantized_linear, quantized_expert_linear=None):
     """(linear, expert_linear): the generated module's kernels, called with numerics="ggml"."""
@@ -127,6 +140,8 @@ def with_numerics(module: ModuleType, numerics: str = DEFAULT) -> ModuleType:
             return exact_project_experts(x, w, name, experts, bias)
 
         copy.project_experts = project_experts
+    if hasattr(copy, "rms_norm"):
+        copy.rms_norm = ggml_rms_norm(np.float32(copy.NORM_EPS))
     if hasattr(copy, "gelu"):
         copy.gelu = gelu_table  # ggml's fp16 table: a C op on C, the same values as PyTensor ops elsewhere
     copy.__dict__[_NUMERICS_ATTR] = numerics

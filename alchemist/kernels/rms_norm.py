@@ -1,0 +1,175 @@
+"""`RmsNormGgml`: ggml-cpu's RMS norm (ggml_compute_forward_rms_norm_f32), bit for bit.
+
+    sum   = Σ (double)(x_i · x_i)        products in float32, summed in order in double
+    mean  = (float)(sum / n)
+    scale = 1.0f / sqrtf(mean + eps)
+    y_i   = x_i · scale
+
+The exact modules' rms_norm (x · reciprocal(sqrt(mean(x²) + eps))) computes the same quantity, but PyTensor's
+canonicalizer rewrites it into x / sqrt(sum · (1/n) + eps), folding any scale on x (gemma's embedding scale)
+into the same fused division: the result differs from ggml's in the last bit for about half the elements, and
+a last-bit change in an activation flips its Q8 rounding now and then (~1e-7 NMSE on the next matmul). The
+numerics="ggml" modules use this Op, which the rewrites cannot see into. C and Numba run the loops above;
+JAX and MLX get the float32 formula as PyTensor ops (`expand_rms_norm_ggml`, tagged "jax" and "mlx").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.graph.basic import Apply
+from pytensor.graph.rewriting.basic import in2out, node_rewriter
+from pytensor.link.c.op import COp
+
+RMS_NORM_C = r"""
+#include <math.h>
+namespace alchemist_rms_norm {
+static void apply(const float *x, float *y, long long rows, long long n, float eps) {
+    for (long long r = 0; r < rows; ++r) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        double sum = 0.0;
+        for (long long i = 0; i < n; ++i) {
+            const float sq = xr[i] * xr[i];
+            sum += (double)sq;
+        }
+        const float mean = (float)(sum / (double)n);
+        const float scale = 1.0f / sqrtf(mean + eps);
+        for (long long i = 0; i < n; ++i) yr[i] = xr[i] * scale;
+    }
+}
+}  // namespace alchemist_rms_norm
+"""
+
+
+def _rms_rows(x, eps):
+    rows, n = x.shape
+    y = np.empty((rows, n), dtype=np.float32)
+    for r in range(rows):
+        s = 0.0
+        for i in range(n):
+            sq = np.float32(x[r, i] * x[r, i])
+            s += np.float64(sq)
+        mean = np.float32(s / n)
+        scale = np.float32(1.0) / np.sqrt(np.float32(mean + eps))
+        for i in range(n):
+            y[r, i] = np.float32(x[r, i] * scale)
+    return y
+
+
+@lru_cache(maxsize=1)
+def rms_rows_numba():
+    """The Numba-compiled loops (no fastmath: the order of the double sum is part of the result)."""
+    import numba
+
+    return numba.njit(cache=False)(_rms_rows)
+
+
+class RmsNormGgml(COp):
+    """x float32 (..., n) -> x · 1/sqrt(mean(x²) + eps) over the last axis, as ggml computes it (module docstring)."""
+
+    __props__ = ("eps",)
+
+    def __init__(self, eps: float):
+        self.eps = float(np.float32(eps))
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        if x.type.dtype != "float32" or x.type.ndim < 1:
+            raise TypeError(f"RmsNormGgml: x must be a float32 tensor, got {x.type}")
+        return Apply(self, [x], [x.type()])
+
+    def infer_shape(self, node, shapes):
+        return [shapes[0]]
+
+    def perform(self, node, inputs, output_storage):
+        (x,) = inputs
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        rows = x.reshape(-1, x.shape[-1]) if x.size else x.reshape(0, x.shape[-1])
+        output_storage[0][0] = rms_rows_numba()(rows, np.float32(self.eps)).reshape(x.shape)
+
+    def c_support_code(self, **kwargs):
+        return RMS_NORM_C
+
+    def c_compile_args(self, **kwargs):
+        return ["-O3", "-ffp-contract=off"]
+
+    def c_code(self, node, name, inputs, outputs, sub):
+        (x,) = inputs
+        (y,) = outputs
+        fail = sub["fail"]
+        eps = repr(self.eps)
+        return f"""
+        {{
+            PyArrayObject *xc_ = PyArray_GETCONTIGUOUS({x});
+            if (!xc_) {{ {fail} }}
+            if (!{y} || PyArray_NDIM({y}) != PyArray_NDIM(xc_) || !PyArray_CompareLists(PyArray_DIMS({y}), PyArray_DIMS(xc_), PyArray_NDIM(xc_))
+                || !PyArray_IS_C_CONTIGUOUS({y}) || PyArray_TYPE({y}) != NPY_FLOAT32) {{
+                Py_XDECREF({y});
+                {y} = (PyArrayObject *)PyArray_EMPTY(PyArray_NDIM(xc_), PyArray_DIMS(xc_), NPY_FLOAT32, 0);
+                if (!{y}) {{ Py_DECREF(xc_); {fail} }}
+            }}
+            const long long n_ = (long long)PyArray_DIM(xc_, PyArray_NDIM(xc_) - 1);
+            const long long rows_ = n_ ? (long long)PyArray_SIZE(xc_) / n_ : 0;
+            alchemist_rms_norm::apply((const float *)PyArray_DATA(xc_), (float *)PyArray_DATA({y}), rows_, n_, (float){eps});
+            Py_DECREF(xc_);
+        }}
+        """
+
+    def c_code_cache_version(self):
+        return (1, int(hashlib.sha256(RMS_NORM_C.encode()).hexdigest()[:12], 16))
+
+
+def rms_norm_formula(x, eps: float):
+    """The same norm as float32 PyTensor ops (equal to ggml's up to the last bit)."""
+    mean = pt.mean(pt.sqr(x), axis=-1, keepdims=True)
+    return x * pt.reciprocal(pt.sqrt(mean + np.float32(eps)))
+
+
+def rms_norm_ggml(x, eps: float):
+    """ggml's rms_norm of x over its last axis (no weight): the Op on C and Numba, PyTensor ops on JAX/MLX."""
+    return RmsNormGgml(eps)(x)
+
+
+@node_rewriter([RmsNormGgml])
+def expand_rms_norm_ggml(fgraph, node):
+    return [rms_norm_formula(node.inputs[0], node.op.eps)]
+
+
+_numba_registered: list = []
+
+
+def register_numba() -> None:
+    """Numba runs the loops of `_rms_rows` (called from kernels.register_numba; idempotent)."""
+    if _numba_registered:
+        return
+    from pytensor.link.numba.dispatch import basic as numba_basic
+    from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
+
+    @register_funcify_default_op_cache_key(RmsNormGgml)
+    def numba_funcify_RmsNormGgml(op, node=None, **kwargs):
+        rows_fn, eps = rms_rows_numba(), np.float32(op.eps)
+
+        @numba_basic.numba_njit
+        def rms_norm_ggml(x):
+            n = x.shape[-1]
+            flat = np.ascontiguousarray(x).reshape((-1, n))
+            return rows_fn(flat, eps).reshape(x.shape)
+
+        return rms_norm_ggml, int(hashlib.sha256(RMS_NORM_C.encode()).hexdigest()[:12], 16)
+
+    _numba_registered.append(True)
+
+
+def _register_expansion():
+    from pytensor.compile.mode import optdb
+
+    name = "alchemist_expand_rms_norm_ggml"
+    if name not in optdb:
+        optdb.register(name, in2out(expand_rms_norm_ggml), "jax", "mlx", position=0.9)
+
+
+_register_expansion()
