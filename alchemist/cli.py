@@ -245,7 +245,7 @@ def _cmd_diff(args) -> int:
         _prompt_ids(args),
         tol=args.tol,
         numerics=_numerics(args),
-        fed=args.fed,
+        fed="ops" if args.fed_ops else args.fed,
         fed_tol=args.fed_tol,
     )
     if result.get("fed"):
@@ -479,6 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--fed",
         action="store_true",
         help="also run every layer on llama.cpp's own input to it: each layer's own error (one more compile)",
+    )
+    p.add_argument(
+        "--fed-ops",
+        action="store_true",
+        help="--fed, and every tap also computed from llama.cpp's taps before it: which op is not bit-exact",
     )
     p.add_argument("--fed-tol", type=float, default=None, help="the fed NMSE tolerance per tap (default 1e-10)")
     p.add_argument("-o", "--output", default="validation", help="report directory (default: validation/)")

@@ -54,18 +54,17 @@ def _cache_style(module) -> str:
     )
 
 
-def fed_function(engine, n_tokens: int):
-    """(names, fn): fn(inputs, head_input) -> the taps of every layer run on its own input, each a
-    (n_tokens, N_EMBD) float32 array; names are the taps' llama.cpp names (result_* from the head)."""
-    import pytensor
+def _fed_graph(engine, n_tokens: int):
+    """(start_pos, layer inputs, head input, caches, taps): every layer's block() on an input of its own, each with
+    a cache input of the shapes forward() reads, positions start_pos + 0..T-1 as forward() builds them."""
     import pytensor.tensor as pt
 
-    from alchemist.runtime.engine import Engine, layer_caches
+    from alchemist.runtime.engine import layer_caches
 
     module = engine.module
     style = _cache_style(module)
     start_pos = pt.scalar("start_pos", dtype="int64")
-    positions = start_pos + pt.arange(n_tokens, dtype="int64")  # as forward() builds them (a runtime input)
+    positions = start_pos + pt.arange(n_tokens, dtype="int64")
     attend_len = engine.capacity if engine.static else start_pos + n_tokens  # as Engine._build / forward()
     width = int(module.N_EMBD)
     xs = [pt.tensor(f"fed_in.{il}", dtype="float32", shape=(n_tokens, width)) for il in range(module.N_LAYER)]
@@ -78,23 +77,68 @@ def fed_function(engine, n_tokens: int):
     ]
     taps: dict = {}
     for il, (x, cache) in enumerate(zip(xs, caches)):
-        if style == "kv":
-            module.block(engine.weights, il, x, positions, attend_len, *cache, taps)
-        else:
-            module.block(engine.weights, il, x, positions, attend_len, cache, taps)
+        args = (*cache, taps) if style == "kv" else (cache, taps)
+        module.block(engine.weights, il, x, positions, attend_len, *args)
     module.head(engine.weights, x_head, None, taps)
-    names = list(taps)
-    outputs = [taps[n] for n in names]
+    return start_pos, xs, x_head, caches, taps
+
+
+def _compile(engine, start_pos, n_tokens: int, inputs: list, outputs: list):
+    """pytensor.function in the engine's mode, the cache writes lowered as the engine's step lowers them (the
+    same values; C code instead of a Python advanced-indexing write)."""
+    import pytensor
+
+    from alchemist.runtime.engine import Engine
+
     if not engine.static:
-        # the engine's own lowering of cache writes (same values; C code instead of a Python advanced write)
         first, rest = Engine._cache_writes_as_slices(outputs[0], [tuple(outputs[1:])], start_pos, n_tokens)
         outputs = [first, *rest[0]]
-    inputs = [start_pos, *xs, x_head, *(c for layer in caches for c in layer)]
-    fn = pytensor.function(inputs, outputs, mode=engine.mode, on_unused_input="ignore")
-    zeros = [np.zeros(c.type.shape, np.float32) for layer in caches for c in layer]
+    return pytensor.function([start_pos, *inputs], outputs, mode=engine.mode, on_unused_input="ignore")
+
+
+def fed_function(engine, n_tokens: int):
+    """(names, fn): fn(layer_inputs, head_input) -> the taps of every layer run on its own input, each input a
+    (n_tokens, N_EMBD) float32 array; names are the taps' llama.cpp names (result_* from the head)."""
+    start_pos, xs, x_head, caches, taps = _fed_graph(engine, n_tokens)
+    names = list(taps)
+    cache_inputs = [c for layer in caches for c in layer]
+    fn = _compile(engine, start_pos, n_tokens, [*xs, x_head, *cache_inputs], [taps[n] for n in names])
+    zeros = [np.zeros(c.type.shape, np.float32) for c in cache_inputs]
 
     def run(layer_inputs: list, head_input) -> dict:
         values = fn(np.int64(0), *layer_inputs, head_input, *zeros)
+        return dict(zip(names, (np.asarray(v) for v in values)))
+
+    return names, run
+
+
+def op_fed_function(engine, n_tokens: int, names: list[str]):
+    """(names, fn): every tap among `names` computed from llama.cpp's values of the taps before it (and of the
+    layer inputs): the ops between two taps alone, e.g. ffn_out-3 = mlp(llama.cpp's ffn_norm-3), kqv_out-3 =
+    attention(llama.cpp's Qcur-3, Kcur-3, Vcur-3). fn(layer_inputs, head_input, tensors) takes llama.cpp's
+    tensors by name. A tap that differs here, from bit-identical inputs, is made by an op that is not."""
+    import pytensor.tensor as pt
+    from pytensor.graph.replace import graph_replace
+
+    start_pos, xs, x_head, caches, taps = _fed_graph(engine, n_tokens)
+    names = [n for n in names if n in taps and taps[n].owner is not None]
+    fed_in = {n: pt.tensor(f"theirs.{n}", dtype="float32", shape=taps[n].type.shape) for n in names}
+    # each tap's own op applied to its inputs, in which every tap is llama.cpp's value
+    nodes = [taps[n].owner for n in names]
+    flat = [i for node in nodes for i in node.inputs]
+    replaced = graph_replace(flat, {taps[n]: fed_in[n] for n in names}, strict=False)
+    outputs, k = [], 0
+    for n, node in zip(names, nodes):
+        new_inputs = replaced[k : k + len(node.inputs)]
+        k += len(node.inputs)
+        outputs.append(node.clone_with_new_inputs(new_inputs).outputs[node.outputs.index(taps[n])])
+    cache_inputs = [c for layer in caches for c in layer]
+    fn = _compile(engine, start_pos, n_tokens, [*xs, x_head, *cache_inputs, *fed_in.values()], outputs)
+    zeros = [np.zeros(c.type.shape, np.float32) for c in cache_inputs]
+
+    def run(layer_inputs: list, head_input, tensors: dict) -> dict:
+        theirs = [np.asarray(tensors[n], np.float32).reshape(fed_in[n].type.shape) for n in names]
+        values = fn(np.int64(0), *layer_inputs, head_input, *zeros, *theirs)
         return dict(zip(names, (np.asarray(v) for v in values)))
 
     return names, run
@@ -124,8 +168,11 @@ def layer_of(name: str) -> int:
     return int(il) if base and il.isdigit() else HEAD
 
 
-def fed_taps(engine, theirs: dict, order: list[str], n_tokens: int) -> tuple[dict, dict]:
-    """(our taps with every layer fed llama.cpp's input, facts: the input name, compile and run seconds)."""
+def fed_taps(
+    engine, theirs: dict, order: list[str], n_tokens: int, ops: bool = False
+) -> tuple[dict, dict | None, dict]:
+    """(our taps with every layer fed llama.cpp's input; with ops=True also every tap computed from llama.cpp's
+    taps before it (op_fed_function), else None; facts: the input name, compile and run seconds)."""
     module = engine.module
     _cache_style(module)  # a family whose block cannot be fed says so before any shape is checked
     n_layer, n_embd = int(module.N_LAYER), int(module.N_EMBD)
@@ -140,13 +187,20 @@ def fed_taps(engine, theirs: dict, order: list[str], n_tokens: int) -> tuple[dic
             f"fed-input diff: llama.cpp's {bad[0]} is {np.asarray(theirs[bad[0]]).shape}, expected {(n_tokens, n_embd)}"
         )
     arrays = [np.ascontiguousarray(theirs[n], dtype=np.float32) for n in feeds]
-    t0 = time.perf_counter()
+    facts = {"input": source}
     with engine.lock:
+        t0 = time.perf_counter()
         _, run = fed_function(engine, n_tokens)
         t1 = time.perf_counter()
         ours = run(arrays[:n_layer], arrays[n_layer])
-    t2 = time.perf_counter()
-    return ours, {"input": source, "compile_s": round(t1 - t0, 2), "run_s": round(t2 - t1, 3)}
+        facts.update(compile_s=round(t1 - t0, 2), run_s=round(time.perf_counter() - t1, 3))
+        op_ours = None
+        if ops:
+            t0 = time.perf_counter()
+            _, run_ops = op_fed_function(engine, n_tokens, [n for n in order if n in theirs])
+            op_ours = run_ops(arrays[:n_layer], arrays[n_layer], theirs)
+            facts["ops_s"] = round(time.perf_counter() - t0, 2)
+    return ours, op_ours, facts
 
 
 def differing(a, b) -> int:
@@ -170,16 +224,21 @@ _EMPTY_LAYER = {
 }
 
 
-def compare_fed(ours: dict, theirs: dict, order: list[str], tol: float = FED_TOL) -> dict:
-    """Per tensor (llama.cpp's evaluation order) the fed NMSE and differing elements; per layer the max NMSE
-    over its taps, its worst tap, its l_out NMSE and its first tap over `tol` (evaluation order)."""
+def compare_fed(ours: dict, theirs: dict, order: list[str], tol: float = FED_TOL, ops: dict | None = None) -> dict:
+    """Per tensor (llama.cpp's evaluation order) the fed NMSE and differing elements (and, given `ops` from
+    op_fed_function, op_nmse / op_differing: the tap computed from llama.cpp's taps before it); per layer the max
+    NMSE over its taps, its worst tap, its l_out NMSE, its first tap over `tol` and its first tap that is not
+    bit-identical (and first_op_differing: the first whose own op is not bit-exact)."""
     rows = []
     for name in order:
         if name not in ours or name not in theirs:
             continue
         a, b = ours[name], theirs[name]
         value = float(nmse(a, b)) if np.size(a) == np.size(b) else float("inf")
-        rows.append({"tensor": name, "nmse": value, "differing": differing(a, b), "size": int(np.size(b))})
+        row = {"tensor": name, "nmse": value, "differing": differing(a, b), "size": int(np.size(b))}
+        if ops is not None and name in ops:
+            row["op_nmse"], row["op_differing"] = float(nmse(ops[name], b)), differing(ops[name], b)
+        rows.append(row)
     layers: dict[int, dict] = {}
     for row in rows:
         il = layer_of(row["tensor"])
@@ -193,29 +252,37 @@ def compare_fed(ours: dict, theirs: dict, order: list[str], tol: float = FED_TOL
             entry["first_exceeding"], entry["first_exceeding_nmse"] = row["tensor"], row["nmse"]
         if entry["first_differing"] is None and row["differing"]:
             entry["first_differing"] = row["tensor"]
+        if row.get("op_differing") and not entry.get("first_op_differing"):
+            entry["first_op_differing"] = row["tensor"]
     per_layer = sorted(layers.values(), key=lambda e: (e["layer"] == HEAD, e["layer"]))
     first = next((e["first_exceeding"] for e in per_layer if e["first_exceeding"]), None)
     return {"tolerance": tol, "rows": rows, "layers": per_layer, "first_divergence": first}
 
 
 def print_fed(diff: dict) -> None:
-    """The terminal table of `alchemist diff --fed`: both columns per tensor, then one line per layer."""
+    """The terminal table of `alchemist diff --fed`: both columns per tensor (and the op-fed one with --fed-ops),
+    then one line per layer."""
     fed, first = diff["fed"], diff["first_divergence"]
     accumulated = dict(diff["rows"])
-    print(f"{'tensor':28} {'accumulated':>12} {'fed':>12} {'fed differing':>15}")
+    ops = any("op_nmse" in row for row in fed["rows"])
+    head = f"{'tensor':24} {'accumulated':>11} {'fed':>10} {'fed differing':>15}"
+    print(head + (f" {'op-fed':>10} {'op differing':>15}" if ops else ""))
     for row in fed["rows"]:
-        name = row["tensor"]
+        name, size = row["tensor"], row["size"]
         marks = ["first divergence"] * (name == first) + ["first fed over tolerance"] * (
             name == fed["first_divergence"]
         )
-        mark = f"  <-- {'; '.join(marks)}" if marks else ""
-        diff_count = f"{row['differing']}/{row['size']}"
-        print(f"{name:28} {accumulated.get(name, float('nan')):12.3e} {row['nmse']:12.3e} {diff_count:>15}{mark}")
+        line = f"{name:24} {accumulated.get(name, float('nan')):11.3e} {row['nmse']:10.3e} "
+        line += f"{row['differing']:>7}/{size:<7}"
+        if ops:
+            line += f" {row.get('op_nmse', float('nan')):10.3e} {row.get('op_differing', '-'):>7}/{size:<7}"
+        print(line + (f"  <-- {'; '.join(marks)}" if marks else ""))
     print(f"per layer, fed llama.cpp's input ({fed['input']}, then l_out-(il-1)); tolerance {fed['tolerance']:.0e}:")
     for e in fed["layers"]:
         layer = "head" if e["layer"] == HEAD else f"layer {e['layer']}"
         over = f"first over: {e['first_exceeding']}" if e["first_exceeding"] else "within"
-        print(
-            f"  {layer:9} max {e['max_nmse']:.2e} ({e['worst']}); {over}; "
-            f"first not bit-identical: {e['first_differing'] or '-'}"
-        )
+        line = f"  {layer:9} max {e['max_nmse']:.2e} ({e['worst']}); {over}; first not bit-identical: "
+        line += e["first_differing"] or "-"
+        if ops:
+            line += f"; first op not bit-exact: {e.get('first_op_differing') or '-'}"
+        print(line)

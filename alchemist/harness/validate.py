@@ -469,13 +469,14 @@ def diff_model(
     context: int = 256,
     llamacpp_rounding: bool = False,
     numerics: str | None = None,
-    fed: bool = False,
+    fed: bool | str = False,
     fed_tol: float | None = None,
 ) -> dict:
     """Layer-by-layer comparison with llama.cpp; names the first tensor whose NMSE exceeds tol. `numerics`:
     default "ggml" (llamacpp_rounding=True is the older spelling of it). fed=True also runs every layer on
     llama.cpp's own input to it (alchemist.harness.fed) and adds the "fed" section: each layer's own error
-    against fed_tol (default 1e-10, issue #19's bar)."""
+    against fed_tol (default 1e-10, issue #19's bar). fed="ops" also computes every tap from llama.cpp's taps
+    before it (alchemist.harness.fed.op_fed_function): which op makes the first non-identical value."""
     from alchemist.harness.fed import FED_TOL, INPUT_NAMES, compare_fed, fed_taps
     from alchemist.harness.oracle import LlamaCppOracle
     from alchemist.runtime.engine import Engine
@@ -495,8 +496,9 @@ def diff_model(
     first = next((n for n, v in rows if v > tol), None)
     fed_section = None
     if fed:
-        fed_ours, facts = fed_taps(engine, theirs, order, len(prompt))
-        fed_section = {**compare_fed(fed_ours, theirs, [n for n, _ in rows], fed_tol or FED_TOL), **facts}
+        fed_ours, op_ours, facts = fed_taps(engine, theirs, order, len(prompt), ops=fed == "ops")
+        names = [n for n, _ in rows]
+        fed_section = {**compare_fed(fed_ours, theirs, names, fed_tol or FED_TOL, op_ours), **facts}
     return {
         "model": loaded.ir.model_name,
         "source_file": loaded.ir.source_file,
@@ -550,16 +552,18 @@ def fed_summary_line(fed: dict) -> str:
 
 
 def fed_markdown(diff: dict) -> list[str]:
-    """The per-layer table (fed: each layer's own error) and the per-tensor table with both columns."""
+    """The per-layer table (fed: each layer's own error) and the per-tensor table with both columns (three with
+    the op-fed one: each tap computed from llama.cpp's taps before it)."""
     fed, first, fed_first = diff["fed"], diff["first_divergence"], diff["fed"]["first_divergence"]
     tol = fed["tolerance"]
+    ops = any("op_nmse" in row for row in fed["rows"])
     accumulated = dict(diff["rows"])
     lines = [
         f"Per layer, fed llama.cpp's input (tolerance {tol:.0e}); `accumulated` is our whole model's l_out",
         "",
         f"| layer | max fed NMSE | worst tap | out fed NMSE | out accumulated NMSE | first tap over {tol:.0e} | "
-        "first tap not bit-identical |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "first tap not bit-identical |" + (" first op not bit-exact |" if ops else ""),
+        "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if ops else ""),
     ]
     for e in fed["layers"]:
         out = f"l_out-{e['layer']}" if e["layer"] >= 0 else "result_output"
@@ -567,21 +571,30 @@ def fed_markdown(diff: dict) -> list[str]:
         lines.append(
             f"| {e['layer'] if e['layer'] >= 0 else 'head'} | {e['max_nmse']:.2e} | {e['worst']} | "
             f"{_fmt(e['out_nmse'])} | {_fmt(accumulated.get(out))} | {over} | {e['first_differing'] or '-'} |"
+            + (f" {e.get('first_op_differing') or '-'} |" if ops else "")
         )
     lines += [
         "",
         "Per tensor: NMSE of our whole model (accumulated) and of each layer fed llama.cpp's input (fed), and how "
-        "many of the fed tensor's elements are not bit-identical to llama.cpp's",
+        "many of the fed tensor's elements are not bit-identical to llama.cpp's"
+        + (
+            "; op-fed: the tensor computed from llama.cpp's tensors before it (the ops since those alone)"
+            if ops
+            else ""
+        ),
         "",
-        "| tensor | accumulated NMSE | fed NMSE | fed: differing elements | |",
-        "| --- | --- | --- | --- | --- |",
+        "| tensor | accumulated NMSE | fed NMSE | fed: differing elements |"
+        + (" op-fed NMSE | op-fed: differing |" if ops else "")
+        + " |",
+        "| --- | --- | --- | --- |" + (" --- | --- |" if ops else "") + " --- |",
     ]
     for row in fed["rows"]:
         name = row["tensor"]
         marks = ["first divergence"] * (name == first) + [f"first fed over {tol:.0e}"] * (name == fed_first)
+        op = f" {_fmt(row.get('op_nmse'), 3)} | {row.get('op_differing', '-')}/{row['size']} |" if ops else ""
         lines.append(
-            f"| {name} | {_fmt(accumulated.get(name), 3)} | {row['nmse']:.3e} | {row['differing']}/{row['size']} | "
-            f"{'; '.join(marks)} |"
+            f"| {name} | {_fmt(accumulated.get(name), 3)} | {row['nmse']:.3e} | {row['differing']}/{row['size']} |"
+            f"{op} {'; '.join(marks)} |"
         )
     return lines
 
