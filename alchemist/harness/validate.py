@@ -498,7 +498,10 @@ def diff_model(
     if fed:
         fed_ours, op_ours, facts = fed_taps(engine, theirs, order, len(prompt), ops=fed == "ops")
         names = [n for n, _ in rows]
-        fed_section = {**compare_fed(fed_ours, theirs, names, fed_tol or FED_TOL, op_ours), **facts}
+        fed_section = {
+            **compare_fed(fed_ours, theirs, names, FED_TOL if fed_tol is None else fed_tol, op_ours),
+            **facts,
+        }
     return {
         "model": loaded.ir.model_name,
         "source_file": loaded.ir.source_file,
