@@ -319,7 +319,8 @@ def _diff_figure(diff: dict):
     verdict = f"first divergence: {first}" if first else f"no tensor over {tol:.0e}"
     if fed:
         fed_first, fed_tol = fed["first_divergence"], fed["tolerance"]
-        verdict += f"; fed: first over {fed_tol:.0e}: {fed_first}" if fed_first else f"; fed: all within {fed_tol:.0e}"
+        # a second line: the long model names would run the title off the figure
+        verdict += f"\nfed: first over {fed_tol:.0e}: {fed_first}" if fed_first else f"\nfed: all within {fed_tol:.0e}"
     fig.suptitle(
         f"alchemist diff: {diff.get('model', '?')} — {diff['backend']} backend — {verdict}",
         fontsize=13,
