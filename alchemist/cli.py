@@ -239,12 +239,26 @@ def _cmd_diff(args) -> int:
     from alchemist.codegen import module_slug
     from alchemist.harness.validate import diff_model, write_diff
 
-    result = diff_model(args.model, args.backend, _prompt_ids(args), tol=args.tol, numerics=_numerics(args))
-    print(f"{'tensor':28} {'NMSE vs llama.cpp':>18}")
-    for name, value in result["rows"]:
-        mark = "  <-- first divergence" if name == result["first_divergence"] else ""
-        print(f"{name:28} {value:18.3e}{mark}")
+    result = diff_model(
+        args.model,
+        args.backend,
+        _prompt_ids(args),
+        tol=args.tol,
+        numerics=_numerics(args),
+        fed="ops" if args.fed_ops else args.fed,
+        fed_tol=args.fed_tol,
+    )
+    if result.get("fed"):
+        from alchemist.harness.fed import print_fed
+
+        print_fed(result)
+    else:
+        print(f"{'tensor':28} {'NMSE vs llama.cpp':>18}")
+        for name, value in result["rows"]:
+            mark = "  <-- first divergence" if name == result["first_divergence"] else ""
+            print(f"{name:28} {value:18.3e}{mark}")
     stem = f"{module_slug(Path(args.model).name)}_diff_{args.backend}" + _numerics_suffix(result["numerics"])
+    stem += "_fed" if result.get("fed") else ""
     paths = write_diff(result, args.output, stem)
     if result.get("chart_error"):
         print(f"chart not drawn: {result['chart_error']}")
@@ -252,8 +266,15 @@ def _cmd_diff(args) -> int:
         print(f"first divergent tensor: {result['first_divergence']} (tolerance {result['tolerance']:.1e})")
     else:
         print(f"no tensor exceeds NMSE {result['tolerance']:.1e}")
+    fed = result.get("fed")
+    if fed:
+        print(
+            f"fed: first tap over NMSE {fed['tolerance']:.1e}: {fed['first_divergence']}"
+            if fed["first_divergence"]
+            else f"fed: every layer within NMSE {fed['tolerance']:.1e}"
+        )
     print("reports: " + ", ".join(map(str, paths)))
-    return 1 if result["first_divergence"] else 0
+    return 1 if result["first_divergence"] or (fed and fed["first_divergence"]) else 0
 
 
 def _cmd_explain(args) -> int:
@@ -454,6 +475,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tol", type=float, default=None, help="NMSE tolerance (default 1e-6 exact weights, 1e-2 quantized)"
     )
+    p.add_argument(
+        "--fed",
+        action="store_true",
+        help="also run every layer on llama.cpp's own input to it: each layer's own error (one more compile)",
+    )
+    p.add_argument(
+        "--fed-ops",
+        action="store_true",
+        help="--fed, and every tap also computed from llama.cpp's taps before it: which op is not bit-exact",
+    )
+    p.add_argument("--fed-tol", type=float, default=None, help="the fed NMSE tolerance per tap (default 1e-10)")
     p.add_argument("-o", "--output", default="validation", help="report directory (default: validation/)")
     _add_numerics(p, rounding_alias=True)
     p.set_defaults(fn=_cmd_diff)

@@ -271,8 +271,12 @@ def _diff_figure(diff: dict):
         raise ValueError("the diff compared no tensors: nothing to draw")
     tol, first = diff["tolerance"], diff.get("first_divergence")
     by_kind, xs, n_layer = diff_layout(rows)
-    floor = _floor([v for _, v in rows] + [tol], tol * 1e-6)
-    ceiling = max([v for _, v in rows if math.isfinite(v)] + [tol])
+    fed = diff.get("fed")
+    # the fed curve: each layer's max NMSE over its taps when fed llama.cpp's input (the head at "out")
+    fed_pts = [(n_layer if e["layer"] < 0 else e["layer"], e["max_nmse"]) for e in fed["layers"]] if fed else []
+    extra = [v for _, v in fed_pts] + ([fed["tolerance"]] if fed else [])
+    floor = _floor([v for _, v in rows] + [tol] + extra, min([tol] + extra) * 1e-6)
+    ceiling = max([v for _, v in rows if math.isfinite(v)] + [tol] + [v for v in extra if math.isfinite(v)])
     kinds = list(by_kind)
 
     fig = _figure(12.0, 5.6 + 0.19 * len(kinds))
@@ -287,6 +291,10 @@ def _diff_figure(diff: dict):
         style = "-" if len(pts) > 1 else ""
         ax.plot(x, y, style, marker=markers[i % len(markers)], ms=4, lw=1.0, color=cmap(i % 20), label=kind)
     ax.axhline(tol, color=BAR_COLOR, ls="--", lw=1.3, label=f"tolerance {tol:.0e}")
+    if fed:
+        x, y = [p[0] for p in fed_pts], [min(v, ceiling * 10) for v in _on_log([p[1] for p in fed_pts], floor)]
+        ax.plot(x, y, "-", color="black", lw=2.0, marker="D", ms=5, zorder=4, gid="fed", label="fed: layer max")
+        ax.axhline(fed["tolerance"], color="black", ls=":", lw=1.3, label=f"fed tolerance {fed['tolerance']:.0e}")
     ax.set_yscale("log")
     lo, hi = floor / 3, ceiling * 3
     ax.set_ylim(lo, hi)
@@ -309,16 +317,26 @@ def _diff_figure(diff: dict):
         ax.text(0.995, 0.015, note, transform=ax.transAxes, ha="right", fontsize=8, color="0.4")
 
     verdict = f"first divergence: {first}" if first else f"no tensor over {tol:.0e}"
+    if fed:
+        fed_first, fed_tol = fed["first_divergence"], fed["tolerance"]
+        # a second line: the long model names would run the title off the figure
+        verdict += f"\nfed: first over {fed_tol:.0e}: {fed_first}" if fed_first else f"\nfed: all within {fed_tol:.0e}"
     fig.suptitle(
         f"alchemist diff: {diff.get('model', '?')} — {diff['backend']} backend — {verdict}",
         fontsize=13,
         fontweight="bold",
-        color=FAIL_COLOR if first else PASS_COLOR,
+        color=FAIL_COLOR if first or (fed and fed["first_divergence"]) else PASS_COLOR,
     )
     detail = (
         f"{Path(diff.get('source_file', '')).name}; weights {', '.join(diff.get('weight_types', []))}; "
         f"numerics {diff.get('numerics', 'exact')}; prompt {diff.get('prompt_tokens', '?')} tokens; "
         f"{len(rows)} tensors in llama.cpp's evaluation order"
+        + (
+            f"; fed (black): each layer run on llama.cpp's own input ({fed['input']}, then l_out), the max NMSE "
+            "over its taps"
+            if fed
+            else ""
+        )
     )
     ax.set_title(_wrap([detail], 140), fontsize=9, loc="left")
     ax.legend(

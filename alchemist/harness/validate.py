@@ -469,9 +469,15 @@ def diff_model(
     context: int = 256,
     llamacpp_rounding: bool = False,
     numerics: str | None = None,
+    fed: bool | str = False,
+    fed_tol: float | None = None,
 ) -> dict:
     """Layer-by-layer comparison with llama.cpp; names the first tensor whose NMSE exceeds tol. `numerics`:
-    default "ggml" (llamacpp_rounding=True is the older spelling of it)."""
+    default "ggml" (llamacpp_rounding=True is the older spelling of it). fed=True also runs every layer on
+    llama.cpp's own input to it (alchemist.harness.fed) and adds the "fed" section: each layer's own error
+    against fed_tol (default 1e-10, issue #19's bar). fed="ops" also computes every tap from llama.cpp's taps
+    before it (alchemist.harness.fed.op_fed_function): which op makes the first non-identical value."""
+    from alchemist.harness.fed import FED_TOL, INPUT_NAMES, compare_fed, fed_taps
     from alchemist.harness.oracle import LlamaCppOracle
     from alchemist.runtime.engine import Engine
 
@@ -480,11 +486,22 @@ def diff_model(
     exact = is_exact(loaded.ir)
     tol = tol if tol is not None else (THRESHOLDS["exact_nmse"] if exact else DIFF_QUANTIZED_TOL)
     engine = Engine(loaded.module, loaded.weights_for(backend), backend, max(context, len(prompt) + 1))
+    t0 = time.perf_counter()
     ours = tap_values(engine, prompt)
+    seconds = time.perf_counter() - t0
     with LlamaCppOracle(path, n_ctx=max(context, len(prompt) + 1)) as oracle:
-        order, theirs = oracle.shared_intermediates(prompt, ours)
-    rows = [(n, float(nmse(ours[n], theirs[n]))) for n in order if n in theirs]
+        # the fed diff also needs the tensor llama.cpp's first block reads
+        order, theirs = oracle.shared_intermediates(prompt, list(ours) + (list(INPUT_NAMES) if fed else []))
+    rows = [(n, float(nmse(ours[n], theirs[n]))) for n in order if n in ours]
     first = next((n for n, v in rows if v > tol), None)
+    fed_section = None
+    if fed:
+        fed_ours, op_ours, facts = fed_taps(engine, theirs, order, len(prompt), ops=fed == "ops")
+        names = [n for n, _ in rows]
+        fed_section = {
+            **compare_fed(fed_ours, theirs, names, FED_TOL if fed_tol is None else fed_tol, op_ours),
+            **facts,
+        }
     return {
         "model": loaded.ir.model_name,
         "source_file": loaded.ir.source_file,
@@ -499,11 +516,13 @@ def diff_model(
         "exact_weights": exact,
         "rows": rows,
         "first_divergence": first,
+        "seconds": round(seconds, 2),  # our taps: compile and run
+        **({"fed": fed_section} if fed_section else {}),
     }
 
 
 def diff_to_markdown(diff: dict) -> str:
-    first = diff["first_divergence"]
+    first, fed = diff["first_divergence"], diff.get("fed")
     lines = [
         f"# Layer diff: {diff['source_file']}",
         "",
@@ -512,15 +531,79 @@ def diff_to_markdown(diff: dict) -> str:
         f"- backend: {diff['backend']}; prompt: {diff['prompt_tokens']} tokens; numerics: {diff['numerics']}",
         f"- tolerance: NMSE {diff['tolerance']:.1e}; "
         + (f"first divergent tensor: **{first}**" if first else f"**no tensor exceeds {diff['tolerance']:.1e}**"),
+        *([fed_summary_line(fed)] if fed else []),
         "",
         chart_markdown(diff, "per-layer NMSE against llama.cpp"),
         "",
-        "| tensor | NMSE vs llama.cpp | |",
-        "| --- | --- | --- |",
     ]
+    if fed:
+        return "\n".join(lines + fed_markdown(diff)) + "\n"
+    lines += ["| tensor | NMSE vs llama.cpp | |", "| --- | --- | --- |"]
     for name, value in diff["rows"]:
         lines.append(f"| {name} | {value:.3e} | {'first divergence' if name == first else ''} |")
     return "\n".join(lines) + "\n"
+
+
+def fed_summary_line(fed: dict) -> str:
+    """The fed diff's headline: its input, its tolerance and the first tap over it."""
+    first, tol = fed["first_divergence"], fed["tolerance"]
+    return (
+        f"- fed: every layer run on llama.cpp's own input to it (`{fed['input']}` for layer 0, `l_out-(il-1)` after, "
+        f"the head on the last `l_out`); tolerance NMSE {tol:.1e}; "
+        + (f"first tap over it: **{first}**" if first else f"**every layer within {tol:.1e}**")
+    )
+
+
+def fed_markdown(diff: dict) -> list[str]:
+    """The per-layer table (fed: each layer's own error) and the per-tensor table with both columns (three with
+    the op-fed one: each tap computed from llama.cpp's taps before it)."""
+    fed, first, fed_first = diff["fed"], diff["first_divergence"], diff["fed"]["first_divergence"]
+    tol = fed["tolerance"]
+    ops = any("op_nmse" in row for row in fed["rows"])
+    accumulated = dict(diff["rows"])
+    lines = [
+        f"Per layer, fed llama.cpp's input (tolerance {tol:.0e}); `accumulated` is our whole model's l_out",
+        "",
+        f"| layer | max fed NMSE | worst tap | out fed NMSE | out accumulated NMSE | first tap over {tol:.0e} | "
+        "first tap not bit-identical |" + (" first op not bit-exact |" if ops else ""),
+        "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if ops else ""),
+    ]
+    for e in fed["layers"]:
+        out = f"l_out-{e['layer']}" if e["layer"] >= 0 else "result_output"
+        over = f"{e['first_exceeding']} ({e['first_exceeding_nmse']:.2e})" if e["first_exceeding"] else "-"
+        lines.append(
+            f"| {e['layer'] if e['layer'] >= 0 else 'head'} | {e['max_nmse']:.2e} | {e['worst']} | "
+            f"{_fmt(e['out_nmse'])} | {_fmt(accumulated.get(out))} | {over} | {e['first_differing'] or '-'} |"
+            + (f" {e.get('first_op_differing') or '-'} |" if ops else "")
+        )
+    lines += [
+        "",
+        "Per tensor: NMSE of our whole model (accumulated) and of each layer fed llama.cpp's input (fed), and how "
+        "many of the fed tensor's elements are not bit-identical to llama.cpp's"
+        + (
+            "; op-fed: the tensor computed from llama.cpp's tensors before it (the ops since those alone)"
+            if ops
+            else ""
+        ),
+        "",
+        "| tensor | accumulated NMSE | fed NMSE | fed: differing elements |"
+        + (" op-fed NMSE | op-fed: differing |" if ops else "")
+        + " |",
+        "| --- | --- | --- | --- |" + (" --- | --- |" if ops else "") + " --- |",
+    ]
+    for row in fed["rows"]:
+        name = row["tensor"]
+        marks = ["first divergence"] * (name == first) + [f"first fed over {tol:.0e}"] * (name == fed_first)
+        op = f" {_fmt(row.get('op_nmse'), 3)} | {row.get('op_differing', '-')}/{row['size']} |" if ops else ""
+        lines.append(
+            f"| {name} | {_fmt(accumulated.get(name), 3)} | {row['nmse']:.3e} | {row['differing']}/{row['size']} |"
+            f"{op} {'; '.join(marks)} |"
+        )
+    return lines
+
+
+def _fmt(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}e}"
 
 
 def write_diff(diff: dict, out_dir: str | Path, stem: str) -> list[Path]:
