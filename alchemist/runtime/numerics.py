@@ -30,6 +30,7 @@ from types import ModuleType
 import numpy as np
 
 from alchemist.errors import AlchemistError
+from alchemist.kernels.attention import ggml_causal_attention
 from alchemist.kernels.rms_norm import rms_norm_ggml
 from alchemist.kernels.gelu import gelu_fp16_table, gelu_table  # noqa: F401 (gelu_fp16_table re-exported)
 from alchemist.kernels.graph_rounding import (  # noqa: F401 (_mul_f32, _div_f32 re-exported)
@@ -144,6 +145,9 @@ def with_numerics(module: ModuleType, numerics: str = DEFAULT) -> ModuleType:
         copy.rms_norm = ggml_rms_norm(np.float32(copy.NORM_EPS))
     if hasattr(copy, "gelu"):
         copy.gelu = gelu_table  # ggml's fp16 table: a C op on C, the same values as PyTensor ops elsewhere
+    if hasattr(copy, "causal_attention"):
+        # ggml's attention (vec_dot scores, v_expf softmax, sgemm/vec_dot kqv): a C op on C, the formula elsewhere
+        copy.causal_attention = ggml_causal_attention(copy) or copy.causal_attention
     copy.__dict__[_NUMERICS_ATTR] = numerics
     # re-snapshot: the patched copy is "as imported" for the graph cache, under a hash that is not the exact
     # module's (the rounding code itself is hashed with alchemist's sources, runtime/numerics.py)
