@@ -467,9 +467,12 @@ def attention_variant(module) -> dict | None:
     fn = getattr(module, "causal_attention", None)
     if fn is None:
         return None
-    params = list(inspect.signature(fn).parameters)
-    if params[:6] != ["q", "keys", "values", "q_positions", "key_positions", "window"] or len(params) > 7:
+    signature = inspect.signature(fn).parameters
+    params = list(signature)
+    if params[:6] != ["q", "keys", "values", "q_positions", "key_positions", "window"] or params[6:] not in ([], ["sinks"]):
         return None
+    if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in signature.values()):
+        return None  # not the template's function (e.g. this module's own replacement)
     source = inspect.getsource(fn)
     scaled = "* np.float32(SCORE_SCALE)" in source
     capped = "ATTN_LOGIT_SOFTCAP" in source
