@@ -47,13 +47,19 @@ ATTENTION_C = r"""
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(ALCHEMIST_ATTN_PORTABLE)
+#include <immintrin.h>
+#define ATTN_AVX2 1
+#else
+#define ATTN_AVX2 0
+#endif
 namespace alchemist_attn {
 typedef long long idx_t;
 
 static inline uint32_t fbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float bitsf(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
-/* ggml_v_expf (ggml-cpu/vec.h, the __m256 version), one lane */
+/* ggml_v_expf (ggml-cpu/vec.h, the __m256 version), one lane; -inf gives +0 as the vector code does */
 static inline float v_expf(float x) {
     const float r = 0x1.8p23f;
     const float z = fmaf(x, 0x1.715476p+0f, r);
@@ -86,14 +92,55 @@ static inline float reduce32(const float *a) {
     return (t0 + t1) + (t2 + t3);
 }
 
+#if ATTN_AVX2
+/* ggml_v_expf verbatim */
+static inline __m256 v_expf8(__m256 x) {
+    const __m256 r = _mm256_set1_ps(0x1.8p23f);
+    const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), r);
+    const __m256 n = _mm256_sub_ps(z, r);
+    const __m256 b = _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.7f7d1cp-20f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.62e4p-1f), x));
+    const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+    const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1))));
+    const __m256i c = _mm256_castps_si256(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), n), _mm256_set1_ps(126), _CMP_GT_OQ));
+    const __m256 u = _mm256_mul_ps(b, b);
+    const __m256 j = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f)), u,
+                                                     _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f))),
+                                     u, _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b));
+    if (!_mm256_movemask_ps(_mm256_castsi256_ps(c))) return _mm256_fmadd_ps(j, k, k);
+    const __m256i g = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)), _mm256_set1_epi32(0x82000000u));
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f000000u)));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+    const __m256i d = _mm256_castps_si256(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), n), _mm256_set1_ps(192), _CMP_GT_OQ));
+    return _mm256_or_ps(_mm256_and_ps(_mm256_castsi256_ps(d), _mm256_mul_ps(s1, s1)),
+                        _mm256_andnot_ps(_mm256_castsi256_ps(d),
+                                         _mm256_or_ps(_mm256_and_ps(_mm256_castsi256_ps(c), _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1)),
+                                                      _mm256_andnot_ps(_mm256_castsi256_ps(c), _mm256_fmadd_ps(k, j, k)))));
+}
+#endif
+
 /* ggml_vec_dot_f32 as compiled for AVX2 + FMA */
 static inline float vec_dot(idx_t n, const float *x, const float *y) {
+    const idx_t np = n & ~(idx_t)31;
+    float s;
+#if ATTN_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (idx_t i = 0; i < np; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(y + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(y + i + 24), a3);
+    }
+    a0 = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+    const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+    const __m128 t1 = _mm_hadd_ps(t0, t0);
+    s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+#else
     float acc[32];
     for (int l = 0; l < 32; ++l) acc[l] = 0.0f;
-    const idx_t np = n & ~(idx_t)31;
     for (idx_t i = 0; i < np; i += 32)
         for (int l = 0; l < 32; ++l) acc[l] = fmaf(x[i + l], y[i + l], acc[l]);
-    float s = reduce32(acc);
+    s = reduce32(acc);
+#endif
     idx_t i = np;
     /* the tail loop `sumf += x[i]*y[i]`, vectorized by the compiler: products, then added in order */
     if (n - i >= 8) {
@@ -111,6 +158,31 @@ static inline float vec_dot(idx_t n, const float *x, const float *y) {
     }
     for (; i < n; ++i) s = fmaf(x[i], y[i], s);
     return s;
+}
+
+/* exp(w - mx) of 8 cells in place (masked cells hold -inf and give 0); returns their 8-lane sum */
+static inline float exp8(float *w, float mx) {
+#if ATTN_AVX2
+    const __m256 val = v_expf8(_mm256_sub_ps(_mm256_loadu_ps(w), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(w, val);
+    __m128 v2 = _mm_add_ps(_mm256_extractf128_ps(val, 1), _mm256_castps256_ps128(val));
+    v2 = _mm_add_ps(v2, _mm_movehl_ps(v2, v2));
+    v2 = _mm_add_ss(v2, _mm_movehdup_ps(v2));
+    return _mm_cvtss_f32(v2);
+#else
+    for (int l = 0; l < 8; ++l) w[l] = w[l] == -INFINITY ? 0.0f : v_expf(w[l] - mx);
+    return hsum8(w);
+#endif
+}
+
+/* a[d] += v[d] * p (fma), d < D */
+static inline void axpy(idx_t D, float *a, const float *v, float p) {
+    idx_t d = 0;
+#if ATTN_AVX2
+    const __m256 p8 = _mm256_set1_ps(p);
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(_mm256_loadu_ps(v + d), p8, _mm256_loadu_ps(a + d)));
+#endif
+    for (; d < D; ++d) a[d] = fmaf(v[d], p, a[d]);
 }
 
 /* q (B*T, H, D); k, v (B, S, KVH, D); qpos (B, T); kpos (B, S); sinks (H) or NULL; out (B*T, H*D).
@@ -131,7 +203,8 @@ static int attend(const float *q, const float *k, const float *v, const int64_t 
     const size_t per_thread = (size_t)(S8 + lanes * D);
     float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)n_threads);
     if (!scratch) return -1;
-#pragma omp parallel for schedule(static) if (rows > 1 && (double)rows * (double)S * (double)D > 65536.0)
+    /* threads only where the work is worth a fork (a decode step at short context is a few microseconds) */
+#pragma omp parallel for schedule(static) if (rows > 1 && (double)rows * (double)S * (double)D > 262144.0)
     for (idx_t r = 0; r < rows; ++r) {
         int tid = 0;
 #ifdef _OPENMP
@@ -159,25 +232,27 @@ static int attend(const float *q, const float *k, const float *v, const int64_t 
             continue;
         }
         double sum = 0.0;
-        for (idx_t c = 0; c < S8; c += 8) {
-            for (int l = 0; l < 8; ++l) w[c + l] = w[c + l] == -INFINITY ? 0.0f : v_expf(w[c + l] - mx);
-            sum += (double)hsum8(w + c);
-        }
+        for (idx_t c = 0; c < S8; c += 8) sum += (double)exp8(w + c, mx);
         if (sinks) sum += (double)expf(sinks[h] - mx);
         const float inv = (float)(1.0 / sum);
-        for (idx_t d = 0; d < lanes * D; ++d) acc[d] = 0.0f;
+        memset(acc, 0, sizeof(float) * (size_t)(lanes * D));
         for (idx_t s = 0; s < S; ++s) {
             const int visible = kp[s] >= 0 && kp[s] <= qp && (!window || qp - kp[s] < window);
             if (!visible) continue;  /* p = 0: fma(v, 0, acc) == acc */
-            const float p = w[s] * inv;
-            const float *vr = v + ((b * S + s) * KVH + kh) * D;
-            float *a = acc + (s % lanes) * D;
-            for (idx_t d = 0; d < D; ++d) a[d] = fmaf(vr[d], p, a[d]);
+            axpy(D, acc + (s % lanes) * D, v + ((b * S + s) * KVH + kh) * D, w[s] * inv);
         }
-        for (idx_t d = 0; d < D; ++d) {
-            float lane[32];
-            for (idx_t l = 0; l < lanes; ++l) lane[l] = acc[l * D + d];
-            o[d] = sgemm ? hsum8(lane) : reduce32(lane);
+        /* each output's lanes summed as the kernel does, vectorized over d (lane l of output d at acc[l*D + d]) */
+        if (sgemm) {  /* tinyBLAS hsum: t_m = lane m+4 + lane m; (t0 + t2) + (t1 + t3) */
+            for (int m = 0; m < 4; ++m)
+                for (idx_t d = 0; d < D; ++d) acc[m * D + d] = acc[(m + 4) * D + d] + acc[m * D + d];
+            for (idx_t d = 0; d < D; ++d) o[d] = (acc[d] + acc[2 * D + d]) + (acc[D + d] + acc[3 * D + d]);
+        } else {  /* GGML_F32x8_REDUCE: r_m = (a_m + a_16+m) + (a_8+m + a_24+m); t_m = r_m + r_m+4; (t0 + t1) + (t2 + t3) */
+            for (int m = 0; m < 8; ++m)
+                for (idx_t d = 0; d < D; ++d)
+                    acc[m * D + d] = (acc[m * D + d] + acc[(16 + m) * D + d]) + (acc[(8 + m) * D + d] + acc[(24 + m) * D + d]);
+            for (int m = 0; m < 4; ++m)
+                for (idx_t d = 0; d < D; ++d) acc[m * D + d] = acc[m * D + d] + acc[(m + 4) * D + d];
+            for (idx_t d = 0; d < D; ++d) o[d] = (acc[d] + acc[D + d]) + (acc[2 * D + d] + acc[3 * D + d]);
         }
     }
     free(scratch);
