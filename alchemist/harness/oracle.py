@@ -318,9 +318,14 @@ class LlamaCppOracle:
     # ---------------------------------------------------------------- intermediates
 
     def intermediates(
-        self, token_ids: Sequence[int], names: Iterable[str] | None = None, missing_ok: bool = False
+        self,
+        token_ids: Sequence[int],
+        names: Iterable[str] | None = None,
+        missing_ok: bool = False,
+        prefix: Sequence[int] = (),
     ) -> dict[str, np.ndarray]:
-        """llama.cpp's named graph tensors for one fresh evaluation of `token_ids` (all in one ubatch).
+        """llama.cpp's named graph tensors for one fresh evaluation of `token_ids` (all in one ubatch); after
+        `prefix` (decoded first, uncaptured: token_ids then sit at positions len(prefix).., e.g. a decode step).
 
         `names`: exact names (`"l_out-0"`) or fnmatch patterns (`"l_out-*"`); None captures every
         node carrying a llama.cpp `cb` name. An exact name the graph does not evaluate raises, unless
@@ -329,8 +334,11 @@ class LlamaCppOracle:
         """
         self._check_open()
         ids = self._validate(token_ids)
+        prefix = self._validate(prefix) if len(prefix) else []
         if len(ids) > self.n_batch:
             raise OracleError(f"intermediates needs one ubatch: {len(ids)} tokens > n_batch={self.n_batch}")
+        if len(prefix) + len(ids) > self.n_ctx:
+            raise OracleError(f"{len(prefix)}+{len(ids)} tokens exceed the oracle's n_ctx={self.n_ctx}")
         exact: set[str] = set()
         patterns: list[str] = []
         if names is not None:
@@ -380,8 +388,10 @@ class LlamaCppOracle:
         self._cb_holder["fn"] = callback
         try:
             self._reset(self._ictx)
+            if prefix:
+                self._decode(self._ictx, prefix, 0, want_logits=False)
             state["active"] = True
-            self._decode(self._ictx, ids, 0)
+            self._decode(self._ictx, ids, len(prefix))
         finally:
             state["active"] = False
             self._cb_holder["fn"] = None

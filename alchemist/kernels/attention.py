@@ -268,9 +268,10 @@ def _fma32(a, b, c):
     (Boldo & Melquiond), so the final rounding to float32 is the single rounding of the exact result."""
     a, b, c = (np.asarray(x, np.float32).astype(np.float64) for x in (a, b, c))
     p = a * b
-    s = p + c
-    bb = s - p
-    err = (p - (s - bb)) + (c - bb)
+    with np.errstate(invalid="ignore"):  # infinities: s is already the answer, err NaN changes nothing
+        s = p + c
+        bb = s - p
+        err = (p - (s - bb)) + (c - bb)
     even = (s.view(np.int64) & 1) == 0
     s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
     return s.astype(np.float32)
@@ -278,6 +279,19 @@ def _fma32(a, b, c):
 
 def _f32(x):
     return np.float32(x)
+
+
+def _libm_f32(name: str):
+    """libm's float function `name` (tanhf, expf: the very function the C code and ggml call), else numpy's."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6"), name)
+    except (OSError, AttributeError):
+        return {"tanhf": np.tanh, "expf": np.exp}[name]
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    return lambda x: np.float32(fn(float(np.float32(x))))
 
 
 def _h(hex_literal: str):
@@ -355,6 +369,7 @@ def attention_ggml_reference(q, keys, values, q_positions, key_positions, window
     lanes = 8 if sgemm else 32
     s8 = -(-n_keys // 8) * 8
     scale, softcap = np.float32(scale), np.float32(softcap)
+    tanhf, expf = _libm_f32("tanhf"), _libm_f32("expf")
     out = np.zeros((n_seq * n_tok, n_head, dim), np.float32)
     for b in range(n_seq):
         for t in range(n_tok):
@@ -368,7 +383,7 @@ def attention_ggml_reference(q, keys, values, q_positions, key_positions, window
                 for s in np.flatnonzero(vis):
                     x = np.float32(vec_dot_reference(keys[b, s, kh], q[b * n_tok + t, h]) * scale)
                     if softcap > 0:
-                        x = np.float32(np.float32(np.tanh(np.float32(x * np.float32(np.float32(1) / softcap)))) * softcap)
+                        x = np.float32(tanhf(np.float32(x * np.float32(np.float32(1) / softcap))) * softcap)
                     w[s] = x
                 mx = w.max()
                 if sinks is not None:
@@ -381,7 +396,7 @@ def attention_ggml_reference(q, keys, values, q_positions, key_positions, window
                 for c in range(0, s8, 8):
                     total += float(_hsum8(e[c : c + 8]))
                 if sinks is not None:
-                    total += float(np.exp(np.float32(np.float32(sinks[h]) - mx)))  # libm expf (tests: no sinks)
+                    total += float(expf(np.float32(np.float32(sinks[h]) - mx)))
                 p = (e * np.float32(1.0 / total)).astype(np.float32)
                 acc = np.zeros((lanes, dim), np.float32)
                 for s in np.flatnonzero(vis):
@@ -425,7 +440,7 @@ class CausalAttentionGgml(COp):
         out = pt.tensor(dtype="float32", shape=(q.type.shape[0], width))
         return Apply(self, inputs, [out])
 
-    def infer_shape(self, fgraph, node, shapes):
+    def infer_shape(self, node, shapes):
         return [(shapes[0][0], self.n_head * self.head_dim)]
 
     def perform(self, node, inputs, output_storage):
