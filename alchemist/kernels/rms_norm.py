@@ -24,6 +24,8 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.link.c.op import COp
 
+from alchemist.kernels.c_same_shape import same_shape_c_code
+
 RMS_NORM_C = r"""
 #include <math.h>
 namespace alchemist_rms_norm {
@@ -102,22 +104,16 @@ class RmsNormGgml(COp):
         (y,) = outputs
         fail = sub["fail"]
         eps = repr(self.eps)
-        return f"""
-        {{
-            PyArrayObject *xc_ = PyArray_GETCONTIGUOUS({x});
-            if (!xc_) {{ {fail} }}
-            if (!{y} || PyArray_NDIM({y}) != PyArray_NDIM(xc_) || !PyArray_CompareLists(PyArray_DIMS({y}), PyArray_DIMS(xc_), PyArray_NDIM(xc_))
-                || !PyArray_IS_C_CONTIGUOUS({y}) || PyArray_TYPE({y}) != NPY_FLOAT32) {{
-                Py_XDECREF({y});
-                {y} = (PyArrayObject *)PyArray_EMPTY(PyArray_NDIM(xc_), PyArray_DIMS(xc_), NPY_FLOAT32, 0);
-                if (!{y}) {{ Py_DECREF(xc_); {fail} }}
-            }}
+        return same_shape_c_code(
+            x,
+            y,
+            fail,
+            f"""
             const long long n_ = (long long)PyArray_DIM(xc_, PyArray_NDIM(xc_) - 1);
             const long long rows_ = n_ ? (long long)PyArray_SIZE(xc_) / n_ : 0;
             alchemist_rms_norm::apply((const float *)PyArray_DATA(xc_), (float *)PyArray_DATA({y}), rows_, n_, (float){eps});
-            Py_DECREF(xc_);
-        }}
-        """
+            """,
+        )
 
     def c_code_cache_version(self):
         return (1, int(hashlib.sha256(RMS_NORM_C.encode()).hexdigest()[:12], 16))
