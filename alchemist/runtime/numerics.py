@@ -28,6 +28,7 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import pytensor.tensor as pt
 
 from alchemist.errors import AlchemistError
 from alchemist.kernels.rms_norm import rms_norm_ggml
@@ -86,8 +87,10 @@ def ggml_rms_norm(eps):
     """A generated module's rms_norm(x, weight=None), normalizing with ggml's loops (alchemist.kernels.rms_norm)."""
 
     def rms_norm(x, weight=None):
-        y = rms_norm_ggml(x, eps)
-        return y if weight is None else y * weight
+        weight = None if weight is None else pt.as_tensor_variable(weight)
+        if weight is not None and weight.type.ndim != 1:  # not a per-element vector: multiply after
+            return rms_norm_ggml(x, eps) * weight
+        return rms_norm_ggml(x, eps, weight)
 
     return rms_norm
 
