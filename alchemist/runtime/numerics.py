@@ -31,6 +31,7 @@ import numpy as np
 
 from alchemist.errors import AlchemistError
 from alchemist.kernels.rms_norm import rms_norm_ggml
+from alchemist.kernels.rope import ggml_rope_functions
 from alchemist.kernels.gelu import gelu_fp16_table, gelu_table  # noqa: F401 (gelu_fp16_table re-exported)
 from alchemist.kernels.graph_rounding import (  # noqa: F401 (_mul_f32, _div_f32 re-exported)
     Q8_0_SOURCES,
@@ -144,6 +145,9 @@ def with_numerics(module: ModuleType, numerics: str = DEFAULT) -> ModuleType:
         copy.rms_norm = ggml_rms_norm(np.float32(copy.NORM_EPS))
     if hasattr(copy, "gelu"):
         copy.gelu = gelu_table  # ggml's fp16 table: a C op on C, the same values as PyTensor ops elsewhere
+    rope = ggml_rope_functions(copy) if hasattr(copy, "rope") else None
+    if rope is not None:  # ggml's cos/sin cache and its fused rotation (alchemist.kernels.rope)
+        copy.rope_angles, copy.rope = rope
     copy.__dict__[_NUMERICS_ATTR] = numerics
     # re-snapshot: the patched copy is "as imported" for the graph cache, under a hash that is not the exact
     # module's (the rounding code itself is hashed with alchemist's sources, runtime/numerics.py)
