@@ -318,7 +318,9 @@ class RopeGgml(COp):
 def _theta_extrap(op: RopeCacheGgml, positions: np.ndarray, ff) -> np.ndarray:
     n_pairs = op.n_dims // 2
     theta_scale = np.float32(np.float32(op.freq_base) ** np.float32(-2.0 / op.n_dims))
-    steps = np.concatenate([positions.astype(np.float32)[:, None], np.full((len(positions), n_pairs - 1), theta_scale)], 1)
+    steps = np.concatenate(
+        [positions.astype(np.float32)[:, None], np.full((len(positions), n_pairs - 1), theta_scale)], 1
+    )
     theta = np.cumprod(steps.astype(np.float32), axis=1, dtype=np.float32)  # sequential: ggml's running product
     return theta if ff is None else (theta / ff[None, :n_pairs]).astype(np.float32)
 
@@ -389,7 +391,9 @@ def rope_formula(x, cache, style: str, n_dims: int):
     else:
         pairs = x[:, :, :n_dims].reshape((x.shape[0], x.shape[1], n_dims // 2, 2))
         x1, x2 = pairs[..., 0], pairs[..., 1]
-        rotated = pt.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape((x.shape[0], x.shape[1], n_dims))
+        rotated = pt.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(
+            (x.shape[0], x.shape[1], n_dims)
+        )
     if x.type.shape[2] == n_dims:
         return rotated
     return pt.concatenate([rotated, x[:, :, n_dims:]], axis=-1)
@@ -443,7 +447,7 @@ def yarn_attn_factor(freq_scale: float, attn_factor: float) -> float:
 
 
 def rope_style(module) -> str | None:
-    """"neox" or "norm" as the module's rope() docstring says (the templates rope_neox.j2 / rope_norm.j2)."""
+    """ "neox" or "norm" as the module's rope() docstring says (the templates rope_neox.j2 / rope_norm.j2)."""
     doc = getattr(getattr(module, "rope", None), "__doc__", None) or ""
     return "neox" if "NEOX style" in doc else "norm" if "NORM style" in doc else None
 

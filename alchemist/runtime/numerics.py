@@ -12,6 +12,8 @@
   - fp16 for F16 weights.
   Its GELU reads an fp16 lookup table (GGML_GELU_FP16, ggml-cpu/vec.h): gelu(x) = table[fp16(x)] for
   -10 < x < 10. Its RMS norm sums the squares in double, in order (ggml_compute_forward_rms_norm_f32).
+  Its RoPE builds cos/sin from a running product of the angle and glibc's sincosf, and rotates with fused
+  multiply-adds (alchemist.kernels.rope).
 
 Generated modules never change: `with_numerics(module, "ggml")` returns a fresh copy of the module whose
 kernels, project(), gelu() and rms_norm() compute that way: the kernels with numerics="ggml" for weights in GGUF
