@@ -484,8 +484,9 @@ def test_gelu_table_equals_ggml_table(ggml_ref, backend):
     assert np.array_equal(got, want)
 
 
-def ggml_rms_norm_reference(x: np.ndarray, eps: float) -> np.ndarray:
-    """ggml_compute_forward_rms_norm_f32 in Python: float32 squares summed in order in double (Python float)."""
+def ggml_rms_norm_reference(x: np.ndarray, eps: float, weight=None) -> np.ndarray:
+    """ggml_compute_forward_rms_norm_f32 in Python: float32 squares summed in order in double (Python float), then
+    ggml_mul by the weight."""
     eps = np.float32(eps)
     out = np.empty_like(x)
     for r, row in enumerate(x.reshape(-1, x.shape[-1])):
@@ -493,12 +494,13 @@ def ggml_rms_norm_reference(x: np.ndarray, eps: float) -> np.ndarray:
         for v in row:
             total += float(np.float32(v * v))
         scale = np.float32(1) / np.sqrt(np.float32(np.float32(total / row.size) + eps))
-        out.reshape(-1, x.shape[-1])[r] = row * scale
+        out.reshape(-1, x.shape[-1])[r] = row * scale if weight is None else (row * scale) * weight
     return out
 
 
+@pytest.mark.parametrize("weighted", (False, True), ids=("plain", "weighted"))
 @pytest.mark.parametrize("backend", ("c", "numba", "py"))
-def test_rms_norm_ggml_is_ggmls_bit_for_bit(backend):
+def test_rms_norm_ggml_is_ggmls_bit_for_bit(backend, weighted):
     """The ggml numerics' RMS norm equals ggml's loops exactly, also when a scale on x sits just before it (the
     case PyTensor's canonicalizer folds into one division when the norm is written as graph ops)."""
     from alchemist.kernels.rms_norm import rms_norm_formula, rms_norm_ggml
@@ -506,15 +508,29 @@ def test_rms_norm_ggml_is_ggmls_bit_for_bit(backend):
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((3, 5, 640)) * rng.uniform(0.01, 30, (3, 5, 1))).astype(np.float32)
     x[0, 0, :32] *= 1000  # a massive activation
+    weight = rng.uniform(-2, 3, 640).astype(np.float32) if weighted else None
     v = pt.tensor3("x", dtype="float32")
     mode = "FAST_COMPILE" if backend == "py" else get_mode(backend)
     scaled = v * np.float32(25.298222)
-    got = pytensor.function([v], rms_norm_ggml(scaled, 1e-6), mode=mode)(x)
-    want = ggml_rms_norm_reference(x * np.float32(25.298222), 1e-6)
+    got = pytensor.function([v], rms_norm_ggml(scaled, 1e-6, weight), mode=mode)(x)
+    want = ggml_rms_norm_reference(x * np.float32(25.298222), 1e-6, weight)
     assert np.array_equal(np.asarray(got), want)
     # the same norm as graph ops (JAX and MLX compute it this way) agrees to float32 rounding only
-    formula = np.asarray(pytensor.function([v], rms_norm_formula(scaled, 1e-6), mode=get_mode("c"))(x))
-    np.testing.assert_allclose(formula, want, rtol=4e-7, atol=0)
+    formula = np.asarray(pytensor.function([v], rms_norm_formula(scaled, 1e-6, weight), mode=get_mode("c"))(x))
+    np.testing.assert_allclose(formula, want, rtol=6e-7, atol=0)
+
+
+def test_rms_norm_ggml_checks_its_weight():
+    from alchemist.kernels.rms_norm import RmsNormGgml, rms_norm_ggml
+
+    v = pt.matrix("x", dtype="float32")
+    with pytest.raises(TypeError, match="must be a float32 vector"):
+        rms_norm_ggml(v, 1e-6, pt.matrix("w", dtype="float32"))
+    with pytest.raises(TypeError, match="called without a weight"):
+        RmsNormGgml(1e-6, weighted=True)(v)
+    fn = pytensor.function([v, w := pt.vector("w", dtype="float32")], rms_norm_ggml(v, 1e-6, w), mode=get_mode("c"))
+    with pytest.raises(ValueError, match="weight of 3 for rows of 4"):
+        fn(np.ones((2, 4), np.float32), np.ones(3, np.float32))
 
 
 def test_rms_norm_ggml_on_jax_is_the_formula():
@@ -522,6 +538,7 @@ def test_rms_norm_ggml_on_jax_is_the_formula():
     from alchemist.kernels.rms_norm import rms_norm_ggml
 
     x = np.random.default_rng(12).standard_normal((4, 64)).astype(np.float32)
+    weight = np.linspace(-1, 2, 64, dtype=np.float32)
     v = pt.matrix("x", dtype="float32")
-    got = np.asarray(pytensor.function([v], rms_norm_ggml(v, 1e-5), mode=get_mode("jax"))(x))
-    np.testing.assert_allclose(got, ggml_rms_norm_reference(x, 1e-5), rtol=4e-7, atol=0)
+    got = np.asarray(pytensor.function([v], rms_norm_ggml(v, 1e-5, weight), mode=get_mode("jax"))(x))
+    np.testing.assert_allclose(got, ggml_rms_norm_reference(x, 1e-5, weight), rtol=6e-7, atol=0)

@@ -209,6 +209,28 @@ def test_kv_cached_decode_equals_full_recompute_and_compiles_once(engines, backe
     assert engine.stats.compile_count == compiled, "decoding recompiled"
 
 
+def test_a_short_prompt_goes_through_the_linked_decode_function(tiny_module):
+    """A new engine with only its decode function linked feeds a prompt of <= SHORT_PROMPT tokens one token at a
+    time (no prefill function is linked for it) and gets the prefill's logits; once the prefill function is
+    linked, or the prompt is longer, or all logits are asked for, the prefill function runs."""
+    from alchemist.runtime.engine import SHORT_PROMPT
+
+    mod, path = tiny_module("qwen2")
+    engine = Engine(mod, mod.load_weights(str(path)), "c", 64)
+    engine.precompile([(1, False)])
+    prompt = PROMPT[:SHORT_PROMPT]
+    stepped = engine.run(prompt, 0)
+    assert set(engine._functions) == {(1, False)}
+    engine.reset()
+    prefilled = engine.run(prompt, 0, all_logits=True)[-1:]
+    assert (SHORT_PROMPT, True) in engine._functions
+    np.testing.assert_allclose(stepped, prefilled, rtol=1e-4, atol=2e-4)
+    engine.precompile([(SHORT_PROMPT, False)])
+    np.testing.assert_allclose(engine.run(prompt, 0), stepped, rtol=1e-4, atol=2e-4)
+    engine.run(list(range(3, 3 + SHORT_PROMPT + 1)), 0)  # longer: its bucket's prefill function
+    assert (32, False) in engine._functions
+
+
 def test_sliding_window_decode_matches_oracle_past_the_window(tiny_module, oracle_factory):
     """gemma3 fixture: window 8 on layer 0; 20 positions cross it several times."""
     mod, path = tiny_module("gemma3")

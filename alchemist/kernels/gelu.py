@@ -18,6 +18,8 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.link.c.op import COp
 
+from alchemist.kernels.c_same_shape import same_shape_c_code
+
 from alchemist.kernels.graph_rounding import _fp16
 
 GELU_C = r"""
@@ -126,20 +128,14 @@ class GeluTable(COp):
         (x,) = inputs
         (y,) = outputs
         fail = sub["fail"]
-        return f"""
-        {{
-            PyArrayObject *xc_ = PyArray_GETCONTIGUOUS({x});
-            if (!xc_) {{ {fail} }}
-            if (!{y} || PyArray_NDIM({y}) != PyArray_NDIM(xc_) || !PyArray_CompareLists(PyArray_DIMS({y}), PyArray_DIMS(xc_), PyArray_NDIM(xc_))
-                || !PyArray_IS_C_CONTIGUOUS({y}) || PyArray_TYPE({y}) != NPY_FLOAT32) {{
-                Py_XDECREF({y});
-                {y} = (PyArrayObject *)PyArray_EMPTY(PyArray_NDIM(xc_), PyArray_DIMS(xc_), NPY_FLOAT32, 0);
-                if (!{y}) {{ Py_DECREF(xc_); {fail} }}
-            }}
+        return same_shape_c_code(
+            x,
+            y,
+            fail,
+            f"""
             alchemist_gelu::apply((const float *)PyArray_DATA(xc_), (float *)PyArray_DATA({y}), (long long)PyArray_SIZE(xc_));
-            Py_DECREF(xc_);
-        }}
-        """
+            """,
+        )
 
     def c_code_cache_version(self):
         import hashlib

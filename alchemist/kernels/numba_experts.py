@@ -123,7 +123,11 @@ def register_numba():
     def numba_funcify_QuantizedExpertMatmul(op, node=None, **kwargs):
         _launch_threads()  # see numba_kernels.register_numba
         kind, n_expert, n_out, n_in, row_bytes = KINDS[op.ggml_type], op.n_expert, op.n_out, op.n_in, op.row_bytes
-        round_rows, act, ggml = activations.round_rows_numba(), activations.activation_kind(op.ggml_type), op.numerics == "ggml"
+        round_rows, act, ggml = (
+            activations.round_rows_numba(),
+            activations.activation_kind(op.ggml_type),
+            op.numerics == "ggml",
+        )
 
         @numba_basic.numba_njit
         def quantized_expert_matmul(x, w, ids):

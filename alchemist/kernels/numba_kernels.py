@@ -591,7 +591,11 @@ def register_numba():
         _launch_threads()
         driver = DRIVERS[op.ggml_type]
         n_out, n_in, row_bytes = op.n_out, op.n_in, op.row_bytes
-        round_rows, kind, ggml = activations.round_rows_numba(), activations.activation_kind(op.ggml_type), op.numerics == "ggml"
+        round_rows, kind, ggml = (
+            activations.round_rows_numba(),
+            activations.activation_kind(op.ggml_type),
+            op.numerics == "ggml",
+        )
 
         @numba_basic.numba_njit
         def quantized_matmul(x, w):

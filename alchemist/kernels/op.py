@@ -549,7 +549,9 @@ def dequantize_experts_then_matmul(x, w, ids, ggml_type: str, n_expert: int, n_o
     n_tokens, k = ids.type.shape
     rows = pt.specify_shape(w, (n_expert, n_out, formats.row_bytes(ggml_type, n_in)))[ids]  # (T, K, n_out, bytes)
     rows = rows.reshape((n_tokens * k * n_out, -1))
-    weights = formats.dequantize_rows(pt, rows, ggml_type, n_tokens * k * n_out, n_in).reshape((n_tokens, k, n_out, n_in))
+    weights = formats.dequantize_rows(pt, rows, ggml_type, n_tokens * k * n_out, n_in).reshape(
+        (n_tokens, k, n_out, n_in)
+    )
     xs = x[:, None, :] if x.type.ndim == 2 else x
     return pt.matmul(weights, xs[:, :, :, None])[:, :, :, 0]
 

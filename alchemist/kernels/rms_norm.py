@@ -3,7 +3,8 @@
     sum   = Σ (double)(x_i · x_i)        products in float32, summed in order in double
     mean  = (float)(sum / n)
     scale = 1.0f / sqrtf(mean + eps)
-    y_i   = x_i · scale
+    y_i   = x_i · scale               (· w_i when the norm has a learned scale: ggml_mul after it, or the fused
+                                     RMS_NORM+MUL, both (x_i · scale) · w_i)
 
 The exact modules' rms_norm (x · reciprocal(sqrt(mean(x²) + eps))) computes the same quantity, but PyTensor's
 canonicalizer rewrites it into x / sqrt(sum · (1/n) + eps), folding any scale on x (gemma's embedding scale)
@@ -24,10 +25,12 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.link.c.op import COp
 
+from alchemist.kernels.c_same_shape import same_shape_c_code
+
 RMS_NORM_C = r"""
 #include <math.h>
 namespace alchemist_rms_norm {
-static void apply(const float *x, float *y, long long rows, long long n, float eps) {
+static void apply(const float *x, const float *w, float *y, long long rows, long long n, float eps) {
     for (long long r = 0; r < rows; ++r) {
         const float *xr = x + r * n;
         float *yr = y + r * n;
@@ -38,14 +41,18 @@ static void apply(const float *x, float *y, long long rows, long long n, float e
         }
         const float mean = (float)(sum / (double)n);
         const float scale = 1.0f / sqrtf(mean + eps);
-        for (long long i = 0; i < n; ++i) yr[i] = xr[i] * scale;
+        if (w)
+            for (long long i = 0; i < n; ++i) yr[i] = (xr[i] * scale) * w[i];
+        else
+            for (long long i = 0; i < n; ++i) yr[i] = xr[i] * scale;
     }
 }
 }  // namespace alchemist_rms_norm
 """
 
 
-def _rms_rows(x, eps):
+def _rms_rows(x, w, eps):
+    """x (rows, n) -> ggml's norm of each row, times w (n,) unless w is empty."""
     rows, n = x.shape
     y = np.empty((rows, n), dtype=np.float32)
     for r in range(rows):
@@ -57,6 +64,8 @@ def _rms_rows(x, eps):
         scale = np.float32(1.0) / np.sqrt(np.float32(mean + eps))
         for i in range(n):
             y[r, i] = np.float32(x[r, i] * scale)
+            if w.size:
+                y[r, i] = np.float32(y[r, i] * w[i])
     return y
 
 
@@ -69,27 +78,40 @@ def rms_rows_numba():
 
 
 class RmsNormGgml(COp):
-    """x float32 (..., n) -> x · 1/sqrt(mean(x²) + eps) over the last axis, as ggml computes it (module docstring)."""
+    """x float32 (..., n)[, w float32 (n,)] -> x · 1/sqrt(mean(x²) + eps) over the last axis [· w], as ggml computes
+    it (module docstring). The weight is an input, not a separate Mul: one node per norm instead of three."""
 
-    __props__ = ("eps",)
+    __props__ = ("eps", "weighted")
 
-    def __init__(self, eps: float):
+    def __init__(self, eps: float, weighted: bool = False):
         self.eps = float(np.float32(eps))
+        self.weighted = bool(weighted)
 
-    def make_node(self, x):
+    def make_node(self, x, w=None):
         x = pt.as_tensor_variable(x)
         if x.type.dtype != "float32" or x.type.ndim < 1:
             raise TypeError(f"RmsNormGgml: x must be a float32 tensor, got {x.type}")
-        return Apply(self, [x], [x.type()])
+        if (w is not None) != self.weighted:
+            raise TypeError(
+                f"RmsNormGgml(weighted={self.weighted}) called {'with' if w is not None else 'without'} a weight"
+            )
+        if w is None:
+            return Apply(self, [x], [x.type()])
+        w = pt.as_tensor_variable(w)
+        if w.type.dtype != "float32" or w.type.ndim != 1:
+            raise TypeError(f"RmsNormGgml: the weight must be a float32 vector, got {w.type}")
+        return Apply(self, [x, w], [x.type()])
 
     def infer_shape(self, node, shapes):
         return [shapes[0]]
 
     def perform(self, node, inputs, output_storage):
-        (x,) = inputs
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = np.ascontiguousarray(inputs[0], dtype=np.float32)
+        w = np.ascontiguousarray(inputs[1] if len(inputs) > 1 else np.empty(0), dtype=np.float32)
+        if len(inputs) > 1 and w.shape != x.shape[-1:]:
+            raise ValueError(f"RmsNormGgml: weight of shape {w.shape} for rows of {x.shape[-1]}")
         rows = x.reshape(-1, x.shape[-1]) if x.size else x.reshape(0, x.shape[-1])
-        output_storage[0][0] = rms_rows_numba()(rows, np.float32(self.eps)).reshape(x.shape)
+        output_storage[0][0] = rms_rows_numba()(rows, w, np.float32(self.eps)).reshape(x.shape)
 
     def c_support_code(self, **kwargs):
         return RMS_NORM_C
@@ -98,45 +120,53 @@ class RmsNormGgml(COp):
         return ["-O3", "-ffp-contract=off"]
 
     def c_code(self, node, name, inputs, outputs, sub):
-        (x,) = inputs
+        x, w = inputs[0], (inputs[1] if len(inputs) > 1 else None)
         (y,) = outputs
         fail = sub["fail"]
         eps = repr(self.eps)
-        return f"""
-        {{
-            PyArrayObject *xc_ = PyArray_GETCONTIGUOUS({x});
-            if (!xc_) {{ {fail} }}
-            if (!{y} || PyArray_NDIM({y}) != PyArray_NDIM(xc_) || !PyArray_CompareLists(PyArray_DIMS({y}), PyArray_DIMS(xc_), PyArray_NDIM(xc_))
-                || !PyArray_IS_C_CONTIGUOUS({y}) || PyArray_TYPE({y}) != NPY_FLOAT32) {{
-                Py_XDECREF({y});
-                {y} = (PyArrayObject *)PyArray_EMPTY(PyArray_NDIM(xc_), PyArray_DIMS(xc_), NPY_FLOAT32, 0);
-                if (!{y}) {{ Py_DECREF(xc_); {fail} }}
-            }}
+        weight = "NULL"
+        check = ""
+        if w is not None:
+            weight = "(const float *)PyArray_DATA(wc_)"
+            check = f"""
+            PyArrayObject *wc_ = PyArray_GETCONTIGUOUS({w});
+            if (!wc_) {{ Py_DECREF(xc_); {fail} }}
+            if (PyArray_DIM(wc_, 0) != n_) {{
+                PyErr_Format(PyExc_ValueError, "RmsNormGgml: weight of %ld for rows of %ld", (long)PyArray_DIM(wc_, 0), (long)n_);
+                Py_DECREF(wc_); Py_DECREF(xc_); {fail}
+            }}"""
+        return same_shape_c_code(
+            x,
+            y,
+            fail,
+            f"""
             const long long n_ = (long long)PyArray_DIM(xc_, PyArray_NDIM(xc_) - 1);
-            const long long rows_ = n_ ? (long long)PyArray_SIZE(xc_) / n_ : 0;
-            alchemist_rms_norm::apply((const float *)PyArray_DATA(xc_), (float *)PyArray_DATA({y}), rows_, n_, (float){eps});
-            Py_DECREF(xc_);
-        }}
-        """
+            const long long rows_ = n_ ? (long long)PyArray_SIZE(xc_) / n_ : 0;{check}
+            alchemist_rms_norm::apply((const float *)PyArray_DATA(xc_), {weight}, (float *)PyArray_DATA({y}), rows_, n_, (float){eps});
+            {"Py_DECREF(wc_);" if w is not None else ""}
+            """,
+        )
 
     def c_code_cache_version(self):
         return (1, int(hashlib.sha256(RMS_NORM_C.encode()).hexdigest()[:12], 16))
 
 
-def rms_norm_formula(x, eps: float):
+def rms_norm_formula(x, eps: float, weight=None):
     """The same norm as float32 PyTensor ops (equal to ggml's up to the last bit)."""
     mean = pt.mean(pt.sqr(x), axis=-1, keepdims=True)
-    return x * pt.reciprocal(pt.sqrt(mean + np.float32(eps)))
+    y = x * pt.reciprocal(pt.sqrt(mean + np.float32(eps)))
+    return y if weight is None else y * weight
 
 
-def rms_norm_ggml(x, eps: float):
-    """ggml's rms_norm of x over its last axis (no weight): the Op on C and Numba, PyTensor ops on JAX/MLX."""
-    return RmsNormGgml(eps)(x)
+def rms_norm_ggml(x, eps: float, weight=None):
+    """ggml's rms_norm of x over its last axis, times `weight` if given: the Op on C and Numba, PyTensor ops on
+    JAX/MLX."""
+    return RmsNormGgml(eps)(x) if weight is None else RmsNormGgml(eps, weighted=True)(x, weight)
 
 
 @node_rewriter([RmsNormGgml])
 def expand_rms_norm_ggml(fgraph, node):
-    return [rms_norm_formula(node.inputs[0], node.op.eps)]
+    return [rms_norm_formula(node.inputs[0], node.op.eps, *node.inputs[1:])]
 
 
 _numba_registered: list = []
@@ -153,11 +183,23 @@ def register_numba() -> None:
     def numba_funcify_RmsNormGgml(op, node=None, **kwargs):
         rows_fn, eps = rms_rows_numba(), np.float32(op.eps)
 
-        @numba_basic.numba_njit
-        def rms_norm_ggml(x):
-            n = x.shape[-1]
-            flat = np.ascontiguousarray(x).reshape((-1, n))
-            return rows_fn(flat, eps).reshape(x.shape)
+        if op.weighted:
+
+            @numba_basic.numba_njit
+            def rms_norm_ggml(x, w):
+                n = x.shape[-1]
+                if w.shape[0] != n:
+                    raise ValueError("RmsNormGgml: the weight does not match the rows")
+                flat = np.ascontiguousarray(x).reshape((-1, n))
+                return rows_fn(flat, np.ascontiguousarray(w), eps).reshape(x.shape)
+
+        else:
+
+            @numba_basic.numba_njit
+            def rms_norm_ggml(x):
+                n = x.shape[-1]
+                flat = np.ascontiguousarray(x).reshape((-1, n))
+                return rows_fn(flat, np.empty(0, dtype=np.float32), eps).reshape(x.shape)
 
         return rms_norm_ggml, int(hashlib.sha256(RMS_NORM_C.encode()).hexdigest()[:12], 16)
 

@@ -12,6 +12,8 @@
   - fp16 for F16 weights.
   Its GELU reads an fp16 lookup table (GGML_GELU_FP16, ggml-cpu/vec.h): gelu(x) = table[fp16(x)] for
   -10 < x < 10. Its RMS norm sums the squares in double, in order (ggml_compute_forward_rms_norm_f32).
+  Its RoPE builds cos/sin from a running product of the angle and glibc's sincosf, and rotates with fused
+  multiply-adds (alchemist.kernels.rope).
 
 Generated modules never change: `with_numerics(module, "ggml")` returns a fresh copy of the module whose
 kernels, project(), gelu() and rms_norm() compute that way: the kernels with numerics="ggml" for weights in GGUF
@@ -28,10 +30,12 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import pytensor.tensor as pt
 
 from alchemist.errors import AlchemistError
 from alchemist.kernels.attention import ggml_causal_attention
 from alchemist.kernels.rms_norm import rms_norm_ggml
+from alchemist.kernels.rope import ggml_rope_functions
 from alchemist.kernels.gelu import gelu_fp16_table, gelu_table  # noqa: F401 (gelu_fp16_table re-exported)
 from alchemist.kernels.graph_rounding import (  # noqa: F401 (_mul_f32, _div_f32 re-exported)
     Q8_0_SOURCES,
@@ -87,8 +91,10 @@ def ggml_rms_norm(eps):
     """A generated module's rms_norm(x, weight=None), normalizing with ggml's loops (alchemist.kernels.rms_norm)."""
 
     def rms_norm(x, weight=None):
-        y = rms_norm_ggml(x, eps)
-        return y if weight is None else y * weight
+        weight = None if weight is None else pt.as_tensor_variable(weight)
+        if weight is not None and weight.type.ndim != 1:  # not a per-element vector: multiply after
+            return rms_norm_ggml(x, eps) * weight
+        return rms_norm_ggml(x, eps, weight)
 
     return rms_norm
 
@@ -145,6 +151,9 @@ def with_numerics(module: ModuleType, numerics: str = DEFAULT) -> ModuleType:
         copy.rms_norm = ggml_rms_norm(np.float32(copy.NORM_EPS))
     if hasattr(copy, "gelu"):
         copy.gelu = gelu_table  # ggml's fp16 table: a C op on C, the same values as PyTensor ops elsewhere
+    rope = ggml_rope_functions(copy) if hasattr(copy, "rope") else None
+    if rope is not None:  # ggml's cos/sin cache and its fused rotation (alchemist.kernels.rope)
+        copy.rope_angles, copy.rope = rope
     if hasattr(copy, "causal_attention"):
         # ggml's attention (vec_dot scores, v_expf softmax, sgemm/vec_dot kqv): a C op on C, the formula elsewhere
         copy.causal_attention = ggml_causal_attention(copy) or copy.causal_attention
