@@ -123,7 +123,9 @@ def _our_attention(module, il, q, keys, values, positions, sinks):
         args.append(sinks)
     ours = np.asarray(pytensor.function(symbols, op(*symbols), mode=get_mode("c"))(*args))
     s = symbols[5] if variant["has_sinks"] else None
-    formula = causal_attention_formula(*symbols[:5], op.n_head, op.n_kv_head, op.head_dim, window, op.scale, op.softcap, s)
+    formula = causal_attention_formula(
+        *symbols[:5], op.n_head, op.n_kv_head, op.head_dim, window, op.scale, op.softcap, s
+    )
     return ours, np.asarray(pytensor.function(symbols, formula, mode=get_mode("c"))(*args))
 
 
@@ -171,7 +173,11 @@ def test_the_ggml_copy_attends_with_the_op(tiny_module):
 
     exact, _ = tiny_module("llama")
     ggml = with_numerics(exact, "ggml")
-    assert attention_variant(exact) == {"scale": float(np.float32(exact.SCORE_SCALE)), "softcap": 0.0, "has_sinks": False}
+    assert attention_variant(exact) == {
+        "scale": float(np.float32(exact.SCORE_SCALE)),
+        "softcap": 0.0,
+        "has_sinks": False,
+    }
     assert ggml.causal_attention is not exact.causal_attention and attention_variant(ggml) is None
     n_head, n_kv, dim = exact.N_HEAD, exact.N_KV_HEAD, exact.HEAD_DIM
     q = pt.tensor("q", dtype="float32", shape=(3, n_head, dim))

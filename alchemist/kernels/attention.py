@@ -277,10 +277,6 @@ def _fma32(a, b, c):
     return s.astype(np.float32)
 
 
-def _f32(x):
-    return np.float32(x)
-
-
 def _libm_f32(name: str):
     """libm's float function `name` (tanhf, expf: the very function the C code and ggml call), else numpy's."""
     import ctypes
@@ -302,15 +298,17 @@ def _h(hex_literal: str):
 def v_expf_reference(x):
     """ggml_v_expf lane by lane (numpy float32 arrays)."""
     x = np.asarray(x, np.float32)
-    r = _h('0x1.8p23')
-    z = _fma32(x, _h('0x1.715476p0'), r)
+    r = _h("0x1.8p23")
+    z = _fma32(x, _h("0x1.715476p0"), r)
     n = (z - r).astype(np.float32)
-    b = _fma32(-n, _h('0x1.7f7d1cp-20'), _fma32(-n, _h('0x1.62e4p-1'), x))
+    b = _fma32(-n, _h("0x1.7f7d1cp-20"), _fma32(-n, _h("0x1.62e4p-1"), x))
     e = (z.view(np.uint32) << np.uint32(23)).astype(np.uint32)
     k = (e + np.float32(1).view(np.uint32)).astype(np.uint32).view(np.float32)
     u = (b * b).astype(np.float32)
-    inner = _fma32(_fma32(_h('0x1.0e4020p-7'), b, _h('0x1.573e2ep-5')), u, _fma32(_h('0x1.555e66p-3'), b, _h('0x1.fffdb6p-2')))
-    j = _fma32(inner, u, (_h('0x1.ffffecp-1') * b).astype(np.float32))
+    inner = _fma32(
+        _fma32(_h("0x1.0e4020p-7"), b, _h("0x1.573e2ep-5")), u, _fma32(_h("0x1.555e66p-3"), b, _h("0x1.fffdb6p-2"))
+    )
+    j = _fma32(inner, u, (_h("0x1.ffffecp-1") * b).astype(np.float32))
     g = np.where(n <= 0, np.uint32(0x82000000), np.uint32(0)).astype(np.uint32)
     s1 = (g + np.uint32(0x7F000000)).astype(np.uint32).view(np.float32)
     s2 = (e - g).astype(np.uint32).view(np.float32)
@@ -404,6 +402,9 @@ def attention_ggml_reference(q, keys, values, q_positions, key_positions, window
                 red = _hsum8 if sgemm else _reduce32
                 out[b * n_tok + t, h] = [red(acc[:, d]) for d in range(dim)]
     return out.reshape(n_seq * n_tok, n_head * dim)
+
+
+_GLUE_VERSION = 2  # bump when c_code (the Python-side glue) changes; the kernel source is hashed
 
 
 # -- the Op ------------------------------------------------------------------------------------------------
@@ -511,12 +512,24 @@ class CausalAttentionGgml(COp):
         """
 
     def c_code_cache_version(self):
-        return (1, int(hashlib.sha256(ATTENTION_C.encode()).hexdigest()[:12], 16))
+        return (_GLUE_VERSION, int(hashlib.sha256(ATTENTION_C.encode()).hexdigest()[:12], 16))
 
 
 # -- the formula (other backends) and the module hook ---------------------------------------------------------
-def causal_attention_formula(q, keys, values, q_positions, key_positions, n_head, n_kv_head, head_dim, window=0,
-                             scale=1.0, softcap=0.0, sinks=None):
+def causal_attention_formula(
+    q,
+    keys,
+    values,
+    q_positions,
+    key_positions,
+    n_head,
+    n_kv_head,
+    head_dim,
+    window=0,
+    scale=1.0,
+    softcap=0.0,
+    sinks=None,
+):
     """The generated causal_attention() (templates/components/causal_attention.j2) as float32 PyTensor ops."""
     group = n_head // n_kv_head
     n_seq = keys.type.shape[0] if keys.type.shape[0] is not None else keys.shape[0]
@@ -559,7 +572,10 @@ def attention_variant(module) -> dict | None:
         return None
     signature = inspect.signature(fn).parameters
     params = list(signature)
-    if params[:6] != ["q", "keys", "values", "q_positions", "key_positions", "window"] or params[6:] not in ([], ["sinks"]):
+    if params[:6] != ["q", "keys", "values", "q_positions", "key_positions", "window"] or params[6:] not in (
+        [],
+        ["sinks"],
+    ):
         return None
     if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in signature.values()):
         return None  # not the template's function (e.g. this module's own replacement)
@@ -593,7 +609,17 @@ def expand_causal_attention_ggml(fgraph, node):
     op = node.op
     q, keys, values, qpos, kpos, *sinks = node.inputs
     out = causal_attention_formula(
-        q, keys, values, qpos, kpos, op.n_head, op.n_kv_head, op.head_dim, op.window, op.scale, op.softcap,
+        q,
+        keys,
+        values,
+        qpos,
+        kpos,
+        op.n_head,
+        op.n_kv_head,
+        op.head_dim,
+        op.window,
+        op.scale,
+        op.softcap,
         sinks[0] if sinks else None,
     )
     return [pt.specify_shape(out, node.outputs[0].type.shape) if None not in node.outputs[0].type.shape else out]
