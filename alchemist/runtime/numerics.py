@@ -13,13 +13,15 @@
   Its GELU reads an fp16 lookup table (GGML_GELU_FP16, ggml-cpu/vec.h): gelu(x) = table[fp16(x)] for
   -10 < x < 10. Its RMS norm sums the squares in double, in order (ggml_compute_forward_rms_norm_f32).
   Its RoPE builds cos/sin from a running product of the angle and glibc's sincosf, and rotates with fused
-  multiply-adds (alchemist.kernels.rope).
+  multiply-adds (alchemist.kernels.rope). Its attention takes scores by ggml_vec_dot_f32, a softmax with
+  ggml_v_expf and a double sum, and the values in tinyBLAS's or vec_dot's lane order (alchemist.kernels.attention).
 
 Generated modules never change: `with_numerics(module, "ggml")` returns a fresh copy of the module whose
-kernels, project(), gelu() and rms_norm() compute that way: the kernels with numerics="ggml" for weights in GGUF
-blocks, alchemist.kernels.graph_rounding before the float32 product for weights held as float32 (F16/F32
-tensors; every weight on JAX/MLX by default), alchemist.kernels.gelu's table GELU, alchemist.kernels.rms_norm's
-norm. The copy is re-snapshotted under a source hash of its own, so its step graphs go to (and load from) the
+kernels, project(), gelu(), rms_norm(), rope_angles()/rope() and causal_attention() compute that way: the kernels
+with numerics="ggml" for weights in GGUF blocks, alchemist.kernels.graph_rounding before the float32 product for
+weights held as float32 (F16/F32 tensors; every weight on JAX/MLX by default), alchemist.kernels.gelu's table
+GELU, alchemist.kernels.rms_norm's norm, alchemist.kernels.rope's RoPE and alchemist.kernels.attention's
+attention. The copy is re-snapshotted under a source hash of its own, so its step graphs go to (and load from) the
 on-disk graph cache like the exact module's, under other keys.
 """
 
