@@ -388,7 +388,9 @@ def q8_0_identity(n):
 @pytest.mark.parametrize("ggml_type", ("Q8_0", "Q6_K"))
 def test_ggml_activation_quantization_is_bit_exact(ggml_ref, compiled_ggml, backend, ggml_type):
     """With identity weights the product is dequant(quant(x)) itself: it must equal ggml's, bit for bit, for
-    both activation formats (Q8_0 blocks of 32 with an fp16 scale; Q8_K blocks of 256, float scale)."""
+    both activation formats (Q8_0 blocks of 32 with an fp16 scale; Q8_K blocks of 256, float scale). Except on
+    C with Q6_K, whose product is ggml_vec_dot_q6_K_q8_K's: that adds the quants' +32 offset and takes it off
+    again in lanes that only cancel in the final float sum, so it is ggml's own product of the identity."""
     from alchemist.harness.quantize import quantize_array
 
     n = 512
@@ -398,6 +400,8 @@ def test_ggml_activation_quantization_is_bit_exact(ggml_ref, compiled_ggml, back
     x[1] = 0.0  # an all-zero row: scale 0
     x[2, :32] = np.float32(1e-3) * np.arange(32)  # ties and tiny values
     want = ggml_dequantized_activations(ggml_ref, ggml_type, x)
+    if backend == "c" and ggml_type == "Q6_K":
+        want = np.array([[ggml_ref.vec_dot(ggml_type, eye[o], ggml_ref.quantize_row(ggml_type, row), n) for o in range(n)] for row in x], np.float32)
     for T in (1, 6):  # the decode path and the batched path
         got = np.asarray(compiled_ggml(backend, ggml_type, n, n)(x[:T], eye))
         assert np.array_equal(got, want[:T]), f"{np.abs(got - want[:T]).max()}"
@@ -406,7 +410,8 @@ def test_ggml_activation_quantization_is_bit_exact(ggml_ref, compiled_ggml, back
 @pytest.mark.parametrize("ggml_type", SUPPORTED_TYPES)
 def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
     """Every row of x @ W.T against ggml_vec_dot_<type>_q8_* on ggml's own activation blocks. On C the 32-blocks
-    compute the very same float operations (bit-identical); the K-quants and MXFP4 sum in another order (float32 eps).
+    and Q4_K / Q5_K / Q6_K compute the very same float operations (bit-identical); Q2_K, Q3_K and MXFP4 sum in
+    another order (float32 eps).
     Numba multiplies the rounded activations with the dequantized weights (Q4_1/Q5_1 differ in their offset term,
     which ggml takes from the fp16 block sum of Q8_1)."""
     from alchemist.harness.quantize import quantize_array
@@ -421,7 +426,7 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
     )
     scale = np.abs(want).max()
     got_c = np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x, raw))
-    if ggml_type in ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1"):  # the same float operations in the same order
+    if ggml_type in ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):  # the same float operations in the same order
         assert np.array_equal(got_c, want)
     assert np.abs(got_c - want).max() <= 2e-6 * scale
     got_numba = np.asarray(compiled_ggml("numba", ggml_type, n_out, n_in)(x, raw))
@@ -432,7 +437,9 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
 @pytest.mark.parametrize("ggml_type", ("Q5_0", "Q4_K", "Q6_K", "Q4_1"))
 def test_ggml_numerics_equal_dequantize_then_matmul_of_rounded_activations(compiled_ggml, compiled, ggml_type):
     """ggml numerics == the exact kernel applied to dequant(quant(x)) (float32 summation order aside), for a
-    decode row, a batch and a prefill-sized product; rows of a batch of T < 16 equal their one-token products."""
+    decode row, a batch and a prefill-sized product. As in llama.cpp, a row's product depends only on whether the
+    batch is below the K-quants' tiled threshold: the 32-blocks give every row its one-token product at any T;
+    the K-quants take ggml's vec_dot order below 8 rows and its tiled order from 8 rows on."""
     from alchemist.kernels.activations import round_rows
 
     rng = np.random.default_rng(5)
@@ -447,9 +454,11 @@ def test_ggml_numerics_equal_dequantize_then_matmul_of_rounded_activations(compi
             assert np.abs(got - ref).max() <= 2e-3 * np.abs(magnitude).max()
         else:
             assert_close(got, rounded, raw, ggml_type)
-        if 1 < T < 16:
-            singles = np.stack([np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x[t : t + 1], raw))[0] for t in range(T)])
-            assert np.array_equal(singles, got)
+        f = compiled_ggml("c", ggml_type, n_out, n_in)
+        if ggml_type.endswith("_K") and T >= 8:  # any batch of 8 or more: the same tiled arithmetic per row
+            assert np.array_equal(np.concatenate([np.asarray(f(x[i : i + 8], raw)) for i in range(0, 32, 8)]), got[:32])
+        elif T > 1:
+            assert np.array_equal(np.stack([np.asarray(f(x[t : t + 1], raw))[0] for t in range(T)]), got)
 
 
 def test_ggml_numerics_on_jax_round_in_the_graph(compiled_ggml):
@@ -542,3 +551,20 @@ def test_rms_norm_ggml_on_jax_is_the_formula():
     v = pt.matrix("x", dtype="float32")
     got = np.asarray(pytensor.function([v], rms_norm_ggml(v, 1e-5, weight), mode=get_mode("jax"))(x))
     np.testing.assert_allclose(got, ggml_rms_norm_reference(x, 1e-5, weight), rtol=6e-7, atol=0)
+
+
+@pytest.mark.parametrize("n", (64, 4864, 29))  # 29: ggml's scalar tail (expf) after three vectors of 8
+def test_silu_ggml_is_ggml_vec_silu(ggml_ref, n):
+    """numerics="ggml"'s SiLU (C loops, and the numpy transcription `perform` runs) equals libggml-cpu's
+    ggml_vec_silu_f32 to the bit, row by row; times the up projection it is ggml_vec_swiglu_f32."""
+    from alchemist.kernels.silu import SiluGgml, silu_reference
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((3, n)) * np.exp(2 * rng.standard_normal((3, n)))).astype(np.float32)
+    x[0, :6] = [0.0, -0.0, 88.0, -88.0, -103.0, 1e-30]  # v_expf's overflow / underflow branches
+    g = rng.standard_normal((3, n)).astype(np.float32)
+    want = np.stack([ggml_ref.vec_swiglu(row) for row in x])
+    xv = pt.matrix("x", dtype="float32")
+    got = np.asarray(pytensor.function([xv], SiluGgml()(xv), mode=get_mode("c"))(x))
+    assert np.array_equal(got, want) and np.array_equal(silu_reference(x), want)
+    assert np.array_equal(np.stack([ggml_ref.vec_swiglu(a, b) for a, b in zip(x, g)]), got * g)

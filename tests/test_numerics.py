@@ -96,6 +96,25 @@ def test_ggml_numerics_reproduce_llamacpp(q4k_file, kernels):
     assert results["exact"]["prompt"]["logits_nmse"] >= 1e-6, results["exact"]["prompt"]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])  # SiLU / GELU, Q4_K and Q6_K weights
+def test_ggml_numerics_on_c_are_llamacpps_to_the_bit(fixture_files, arch):
+    """On C, numerics="ggml" computes every op as llama.cpp's CPU backend does: the 14-token prompt (padded to a
+    bucket of 32: ggml's tiled K-quant order, which llama.cpp takes from 8 rows on) gives llama.cpp's logits bit
+    for bit, and so do the decode steps after it (T = 1: ggml's vec_dot order)."""
+    from alchemist.harness import LlamaCppOracle
+    from alchemist.harness.validate import load_for_validation
+
+    path = str(fixture_files(arch, "Q4_K"))
+    loaded = load_for_validation(path, numerics="ggml")
+    engine = Engine(loaded.module, loaded.weights_for("c", True), "c", CONTEXT)
+    with LlamaCppOracle(path, n_ctx=CONTEXT, n_threads=1) as oracle:
+        assert np.array_equal(engine.run(PROMPT, 0, all_logits=True), oracle.logits(PROMPT))
+        continuation = oracle.greedy(PROMPT, 3)
+        steps = oracle.decode_steps(PROMPT, continuation)
+    for i, token in enumerate(continuation):
+        assert np.array_equal(np.asarray(engine.run([token], len(PROMPT) + i)).reshape(-1), steps[i]), f"decode step {i}"
+
+
 def test_a_shared_engine_must_compute_with_the_files_numerics(fixture_files):
     pytest.importorskip("llama_cpp")
     from alchemist.harness.validate import load_for_validation, validate_backend

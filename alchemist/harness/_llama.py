@@ -227,7 +227,8 @@ ACTIVATION_BLOCKS = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 4 + 256 +
 
 
 class GgmlCpu:
-    """libggml-cpu's quantize_row_q8_* / ggml_vec_dot_<type>_q8_* and ggml_table_gelu_f16, through ctypes."""
+    """libggml-cpu's quantize_row_q8_* / ggml_vec_dot_<type>_q8_*, ggml_vec_silu_f32 / ggml_vec_swiglu_f32 and
+    ggml_table_gelu_f16, through ctypes."""
 
     def __init__(self) -> None:
         require()
@@ -260,6 +261,22 @@ class GgmlCpu:
         s = np.zeros(1, np.float32)
         fn(n, s.ctypes.data, 0, w_row.ctypes.data, 0, xq.ctypes.data, 0, 1)
         return float(s[0])
+
+    def vec_swiglu(self, x: np.ndarray, g: np.ndarray | None = None) -> np.ndarray:
+        """ggml_vec_swiglu_f32 of one row: silu(x) * g (ggml_vec_silu_f32, silu(x) alone, when g is None)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        y = np.empty_like(x)
+        p = ctypes.c_void_p
+        if g is None:
+            fn = self.lib.ggml_vec_silu_f32
+            fn.argtypes, fn.restype = [ctypes.c_int, p, p], None
+            fn(x.size, y.ctypes.data, x.ctypes.data)
+        else:
+            g = np.ascontiguousarray(g, dtype=np.float32)
+            fn = self.lib.ggml_vec_swiglu_f32
+            fn.argtypes, fn.restype = [ctypes.c_int, p, p, p], None
+            fn(x.size, y.ctypes.data, x.ctypes.data, g.ctypes.data)
+        return y
 
     def gelu_table(self) -> np.ndarray:
         """ggml_table_gelu_f16 as float32 (index: the fp16 bit pattern)."""

@@ -281,6 +281,17 @@ class LlamaCppOracle:
         self._reset(self._ctx)
         return self._decode(self._ctx, ids, 0)
 
+    def decode_steps(self, prefix_ids: Sequence[int], continuation_ids: Sequence[int]) -> np.ndarray:
+        """float32 (len(continuation), n_vocab): `prefix_ids` decoded in one batch, then each continuation token
+        decoded alone (as generation does); row i is the logits after continuation_ids[i]."""
+        self._check_open()
+        prefix, cont = self._validate(prefix_ids), self._validate(continuation_ids)
+        if len(prefix) + len(cont) > self.n_ctx:
+            raise OracleError(f"{len(prefix)}+{len(cont)} tokens exceed the oracle's n_ctx={self.n_ctx}")
+        self._reset(self._ctx)
+        self._decode(self._ctx, prefix, 0, want_logits=False)
+        return np.stack([self._decode(self._ctx, [tok], len(prefix) + i)[0] for i, tok in enumerate(cont)])
+
     def greedy(self, token_ids: Sequence[int], n_new: int, stop_at_eog: bool = False) -> list[int]:
         """Greedy (argmax, lowest id on exact ties) continuation of `token_ids`, one token per decode."""
         self._check_open()

@@ -39,23 +39,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.link.c.op import COp
 
-ATTENTION_C = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(ALCHEMIST_ATTN_PORTABLE)
-#include <immintrin.h>
-#define ATTN_AVX2 1
-#else
-#define ATTN_AVX2 0
-#endif
-namespace alchemist_attn {
-typedef long long idx_t;
-
+V_EXPF_C = r"""
 static inline uint32_t fbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float bitsf(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
@@ -77,7 +61,26 @@ static inline float v_expf(float x) {
     if (fabsf(n) > 192.0f) return s1 * s1;
     return fmaf(s2, j, s2) * s1;
 }
+"""
 
+ATTENTION_C = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(ALCHEMIST_ATTN_PORTABLE)
+#include <immintrin.h>
+#define ATTN_AVX2 1
+#else
+#define ATTN_AVX2 0
+#endif
+namespace alchemist_attn {
+typedef long long idx_t;
+
+""" + V_EXPF_C + r"""
 /* an __m256's sum as tinyBLAS's hsum and ggml_vec_soft_max_f32 take it */
 static inline float hsum8(const float *v) {
     const float t0 = v[4] + v[0], t1 = v[5] + v[1], t2 = v[6] + v[2], t3 = v[7] + v[3];

@@ -644,7 +644,10 @@ static idx_t embed(const uint8_t *W, idx_t n_rows, idx_t n_in, const int64_t *id
    A row's product is then, per weight block b with sub-block scales dl and offsets mb (see unpack):
      dx_b * sum_s dl[s] * (sum_j q_j xq_j)  +  offsets:  mb * s_b (Q8_1),  dx_b * sum_s mb[s] * bsum_s (K-quants)
    The integer sums are exact, so the result equals dequant(W) . dequant(quant(x)) up to float32 summation
-   order (ggml folds the K-quant scales into the integer sum; both orders round within float32 epsilon). */
+   order. On AVX2 the float operations are ggml-cpu's own, in its order, so the products are llama.cpp's bit
+   for bit: the 32-blocks per block as ggml_vec_dot_*_q8_0 / tinyBLAS take them (any T), Q4_K / Q5_K / Q6_K
+   as ggml_vec_dot_q*_K_q8_K below 8 rows and as ggml's tiled matmul from 8 rows on (GgmlDot, the panels).
+   Q2_K / Q3_K (and non-AVX2 builds) keep the per-sub-block order of dot_block_int: float32 eps apart. */
 enum { ACT_Q8_0 = 0, ACT_Q8_1 = 1, ACT_Q8_K = 2 };
 
 template <class Q>
@@ -683,32 +686,32 @@ static inline int round_even(float v) { return (int)__builtin_nearbyintf(v); }
 struct ActRows {
     int8_t *q;
     float *d, *s1;
-    int32_t *s16;
+    int16_t *s16; /* int16 as block_q8_K's bsums: |sum of 16 int8| <= 2048 */
     void *mem;
 };
 
 static int act_alloc(ActRows *a, idx_t T, idx_t n, idx_t nb) {
     const size_t nq = (size_t)(T * n), nd = (size_t)(T * nb), n16 = (size_t)(T * (n / 16));
-    a->mem = malloc(nq + 64 + sizeof(float) * 2 * (nd + 1) + sizeof(int32_t) * (n16 + 1));
+    a->mem = malloc(nq + 64 + sizeof(float) * 2 * (nd + 1) + sizeof(int16_t) * (n16 + 1) + 32);
     if (!a->mem) return -1;
     a->d = (float *)a->mem;
     a->s1 = a->d + nd + 1;
-    a->s16 = (int32_t *)(a->s1 + nd + 1);
-    a->q = (int8_t *)(a->s16 + n16 + 1);
+    a->s16 = (int16_t *)(a->s1 + nd + 1);
+    a->q = (int8_t *)(a->s16 + n16 + 16);
     return 0;
 }
 
-static inline void int_sums16(const int8_t *q, idx_t n, int32_t *out) {
+static inline void int_sums16(const int8_t *q, idx_t n, int16_t *out) {
     for (idx_t g = 0; g < n / 16; ++g) {
         int32_t s = 0;
         for (int j = 0; j < 16; ++j) s += q[16 * g + j];
-        out[g] = s;
+        out[g] = (int16_t)s;
     }
 }
 
 /* one row x (n) -> its ggml activation blocks */
 template <int KIND>
-static void quantize_act_row(const float *x, idx_t n, int8_t *q, float *d, float *s1, int32_t *s16) {
+static void quantize_act_row(const float *x, idx_t n, int8_t *q, float *d, float *s1, int16_t *s16) {
     if (KIND == ACT_Q8_K) {
         for (idx_t b = 0; b < n / 256; ++b) {
             const float *xb = x + 256 * b;
@@ -811,20 +814,415 @@ template <class Q>
 static inline float offset_block(const float *mb, const ActRows *a, idx_t row_n, idx_t nb, idx_t t, idx_t b) {
     if (!Q::HAS_MIN) return 0.0f;
     if (ActOf<Q>::KIND == ACT_Q8_1) return mb[0] * a->s1[t * nb + b];
-    const int32_t *s16 = a->s16 + t * (row_n / 16) + b * (Q::QK / 16);
+    const int16_t *s16 = a->s16 + t * (row_n / 16) + b * (Q::QK / 16);
     float m = 0.0f;
     for (int s = 0; s < Q::NSUB; ++s) m += mb[s] * (float)(Q::SUB == 16 ? s16[s] : s16[2 * s] + s16[2 * s + 1]);
     return a->d[t * nb + b] * m;
 }
 
-/* T < 16 (decode, batched decode): integer dot products, each token's in the same order as a one-token
-   product (row t of a T-token product is bit-identical to the one-token product of token t).
-   T >= 16 (prefill): the activation blocks are dequantized (d * q, as ggml's dequantize_row_q8_*) and the
-   float kernel multiplies them (run<Q>): the same values as the integer sums up to float32 summation
-   order, and on AVX2 without VNNI the float kernel's tiling measured faster than integer dot products with
-   per-sub-block float scales. Q4_1 / Q5_1 always take the integer path (their offset term uses Q8_1's
-   fp16 block sum s, which no dequantized activation reproduces). */
-enum { GGML_FLOAT_MIN_T = 16 };
+/* The K-quants on AVX2: ggml-cpu's own vec_dot_q4_K / q5_K / q6_K_q8_K (arch/x86/quants.c), operation for
+   operation, so a row's product is llama.cpp's to the bit. Per super-block the sub-block scales multiply the
+   integer sums in 8 int32 lanes (lane k: elements 4k..4k+3 of every 32), then acc[k] = fma(d, float(lane k),
+   acc[k]); the row is the 8-lane pairwise sum plus the mins term (Q4_K: 4 float lanes, Q5_K: one scalar).
+   Other targets (and Q2_K / Q3_K) keep dot_block_int's per-sub-block order: float32 eps apart. */
+template <class Q>
+struct GgmlDot {
+    enum { EXACT = 0 };
+    static inline float dot(const uint8_t *, idx_t, const int8_t *, const float *, const int16_t *) { return 0.0f; }
+};
+
+#if AQ_AVX2
+/* the 12 packed 6-bit scales and mins -> utmp[0..1] = 8 scales, utmp[2..3] = 8 mins, one byte each */
+static inline void k_scales_mins(const uint8_t *packed, uint32_t utmp[4]) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    memcpy(utmp, packed, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+}
+
+/* the int16 scale of sub-block i broadcast over 16 int16 lanes (ggml's get_scale_shuffle_k4) */
+static inline __m256i k4_scale(__m256i scales, int i) {
+    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((2 * i) | ((2 * i + 1) << 8))));
+}
+
+/* sub-block scales and mins of a Q4_K / Q5_K block, as ggml widens them: 8 scales twice, 8 mins */
+static inline void k45_scales(const uint8_t *b, __m256i *scales, __m128i *mins) {
+    uint32_t utmp[4];
+    k_scales_mins(b + 4, utmp);
+    const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+    const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+    *scales = _mm256_set_m128i(sc128, sc128);
+    *mins = _mm256_extracti128_si256(mins_and_scales, 1);
+}
+
+/* the 8 per-32 activation sums from the 16 per-16 bsums, times the 8 mins: 4 int32 lanes */
+static inline __m128i k45_mins_dot(const int16_t *bsums, __m128i mins) {
+    const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bsums);
+    const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+    return _mm_madd_epi16(mins, q8s);
+}
+
+template <>
+struct GgmlDot<Q4_K> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
+        const __m256i m4 = _mm256_set1_epi8(0xF);
+        __m256 acc = _mm256_setzero_ps();
+        __m128 acc_m = _mm_setzero_ps();
+        for (idx_t i = 0; i < nb; ++i) {
+            const uint8_t *b = x + i * Q4_K::BS;
+            __builtin_prefetch(b + PREFETCH);
+            const float d = yd[i] * f16(b);
+            const float dmin = -yd[i] * f16(b + 2);
+            __m256i scales;
+            __m128i mins;
+            k45_scales(b, &scales, &mins);
+            acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(k45_mins_dot(ybs + 16 * i, mins)), acc_m);
+            const uint8_t *q4 = b + 16;
+            const int8_t *q8 = yq + 256 * i;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                const __m256i q4bits = load32(q4 + 32 * j);
+                const __m256i q4l = _mm256_and_si256(q4bits, m4);
+                const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+                const __m256i p16l = _mm256_madd_epi16(k4_scale(scales, 2 * j), _mm256_maddubs_epi16(q4l, load32((const uint8_t *)q8 + 64 * j)));
+                const __m256i p16h =
+                    _mm256_madd_epi16(k4_scale(scales, 2 * j + 1), _mm256_maddubs_epi16(q4h, load32((const uint8_t *)q8 + 64 * j + 32)));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        }
+        acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+        acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+        return acc8_total(acc) + _mm_cvtss_f32(acc_m);
+    }
+};
+
+template <>
+struct GgmlDot<Q5_K> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
+        const __m256i m4 = _mm256_set1_epi8(0xF);
+        __m256 acc = _mm256_setzero_ps();
+        float summs = 0.0f;
+        for (idx_t i = 0; i < nb; ++i) {
+            const uint8_t *b = x + i * Q5_K::BS;
+            __builtin_prefetch(b + PREFETCH);
+            const float d = yd[i] * f16(b);
+            const float dmin = -yd[i] * f16(b + 2);
+            __m256i scales;
+            __m128i mins;
+            k45_scales(b, &scales, &mins);
+            const __m128i prod = k45_mins_dot(ybs + 16 * i, mins);
+            const __m128i zero = _mm_setzero_si128();
+            const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, zero), zero);
+            summs = __builtin_fmaf(dmin, (float)_mm_extract_epi32(hsum, 0), summs); /* ggml's summs += dmin * i, contracted */
+            const __m256i hbits = load32(b + 16);
+            const uint8_t *q5 = b + 48;
+            const int8_t *q8 = yq + 256 * i;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                const __m256i q5bits = load32(q5 + 32 * j);
+                const __m256i hm0 = _mm256_set1_epi8((char)(1 << (2 * j))), hm1 = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
+                const __m256i q5_0 = _mm256_add_epi8(_mm256_and_si256(q5bits, m4),
+                                                     _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hm0), 2 * j), 4));
+                const __m256i q5_1 = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4),
+                                                     _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hm1), 2 * j + 1), 4));
+                const __m256i p16_0 = _mm256_madd_epi16(k4_scale(scales, 2 * j), _mm256_maddubs_epi16(q5_0, load32((const uint8_t *)q8 + 64 * j)));
+                const __m256i p16_1 =
+                    _mm256_madd_epi16(k4_scale(scales, 2 * j + 1), _mm256_maddubs_epi16(q5_1, load32((const uint8_t *)q8 + 64 * j + 32)));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        }
+        return acc8_total(acc) + summs;
+    }
+};
+
+template <>
+struct GgmlDot<Q6_K> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
+        const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+        __m256 acc = _mm256_setzero_ps();
+        for (idx_t i = 0; i < nb; ++i) {
+            const uint8_t *b = x + i * Q6_K::BS;
+            __builtin_prefetch(b + PREFETCH);
+            const float d = yd[i] * f16(b + 208);
+            const uint8_t *q4 = b, *qh = b + 128;
+            const int8_t *q8 = yq + 256 * i;
+            const __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
+            /* the quants are stored + 32: subtract 32 * scale * (sum of the activations), two sub-blocks per lane */
+            const __m256i q8sclsub =
+                _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(ybs + 16 * i)), _mm256_cvtepi8_epi16(scales)), 5);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 2; ++j) {
+                const __m256i q4bits1 = load32(q4 + 64 * j), q4bits2 = load32(q4 + 64 * j + 32), q4bitsH = load32(qh + 32 * j);
+                const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
+                const __m256i q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
+                const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
+                const __m256i q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
+                const __m256i q6[4] = {_mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0),
+                                       _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1),
+                                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2),
+                                       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3)};
+                __m256i p16[4];
+                for (int g = 0; g < 4; ++g) {
+                    const int is = 4 * j + g; /* sub-blocks 2 is, 2 is + 1: 8 bytes of each scale */
+                    const __m128i sc = _mm_shuffle_epi8(scales, _mm_set_epi64x(0x0101010101010101LL * (2 * is + 1), 0x0101010101010101LL * (2 * is)));
+                    p16[g] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), _mm256_maddubs_epi16(q6[g], load32((const uint8_t *)q8 + 128 * j + 32 * g)));
+                }
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16[0], p16[1]));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16[2], p16[3]));
+            }
+            sumi = _mm256_sub_epi32(sumi, q8sclsub);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        }
+        return acc8_total(acc);
+    }
+};
+#endif
+
+#if AQ_AVX2
+/* T >= 8: ggml-cpu's tiled K-quant matmul (ggml-cpu/tiled, which llama.cpp takes for 8 or more activation rows).
+   Per super-block the integer sums are reduced whole: s1 = sum_s sc[s] * (q . xq over sub-block s) and
+   s2 = sum_s mn[s] * bsum_s; then res = d * float(s1), minus dmin * float(s2) in one fma, and
+   acc = fma(res, dx, acc) super-block after super-block. Integer sums are exact in any order. */
+enum { GGML_TILED_MIN_T = 8 };
+
+/* a K-quant block's integer sub-block scales (sc) and mins (mn), and its fp16 d / dmin */
+template <class Q>
+static inline void k_int_scales(const uint8_t *b, int32_t *sc, int32_t *mn, float *d, float *dmin) {
+    if (Q::QK == 256 && Q::NSUB == 16) { /* Q6_K: int8 scales, d after them */
+        for (int k = 0; k < 16; ++k) sc[k] = (int8_t)b[192 + k];
+        *d = f16(b + 208);
+        *dmin = 0.0f;
+        return;
+    }
+    for (int j = 0; j < 8; ++j) {
+        int s, m;
+        k_scale_min(j, b + 4, &s, &m);
+        sc[j] = s;
+        mn[j] = m;
+    }
+    *d = f16(b);
+    *dmin = f16(b + 2);
+}
+
+/* Batched products (T >= 8 for the K-quants, T >= 16 for the 32-blocks) as register-blocked panels: PR weight
+   rows are unpacked once into int8 codes and integer scales, then swept over tiles of PT tokens with PR x PT
+   accumulators. Each (row, token) pair keeps its one-token arithmetic (its own lanes, block after block), so
+   a row of the result does not depend on the tile it was computed in. Rows past n_out and tokens past T
+   are padded with zero codes and not stored. */
+enum { PANEL_ROWS = 4 };
+
+struct Panel {
+    int8_t *q;       /* PANEL_ROWS x n_in codes */
+    float *dl, *d, *dmin; /* 32-blocks: dl per block; K-quants: d, dmin per block */
+    int32_t *sc, *mn; /* K-quants: 16 scales, 8 mins per block */
+    int16_t *mn16;    /* the mins as int16, for madd */
+    void *mem;
+};
+
+static int panel_alloc(Panel *p, idx_t n_in) {
+    const idx_t nb32 = n_in / 32, nb = n_in / 256 + 1;
+    p->mem = calloc(1, (size_t)(PANEL_ROWS * n_in + 64) + sizeof(float) * (size_t)(PANEL_ROWS * (nb32 + 2 * nb) + 8) +
+                           sizeof(int32_t) * (size_t)(PANEL_ROWS * nb * 28 + 32));
+    if (!p->mem) return -1;
+    p->dl = (float *)p->mem;
+    p->d = p->dl + PANEL_ROWS * nb32 + 2;
+    p->dmin = p->d + PANEL_ROWS * nb + 2;
+    p->sc = (int32_t *)(p->dmin + PANEL_ROWS * nb + 4);
+    p->mn = p->sc + PANEL_ROWS * nb * 16;
+    p->mn16 = (int16_t *)(p->mn + PANEL_ROWS * nb * 8 + 8);
+    p->q = (int8_t *)(p->mn16 + PANEL_ROWS * nb * 8 + 16);
+    return 0;
+}
+
+/* rows o0 .. o0 + nr of W into the panel; the rest of its rows get zero codes */
+template <class Q>
+static void panel_fill(Panel *p, const uint8_t *W, idx_t rb, idx_t n_in, idx_t o0, int nr) {
+    const idx_t nb = n_in / Q::QK;
+    alignas(64) int8_t qbuf[Q::QK];
+    float dl[Q::NSUB], mb[Q::NSUB];
+    for (int r = 0; r < PANEL_ROWS; ++r)
+        for (idx_t b = 0; b < nb; ++b) {
+            int8_t *dst = p->q + r * n_in + b * Q::QK;
+            if (r >= nr) {
+                memset(dst, 0, Q::QK);
+                if (Q::QK == 32) p->dl[r * nb + b] = 0.0f;
+                else {
+                    p->d[r * nb + b] = p->dmin[r * nb + b] = 0.0f;
+                    memset(p->sc + (r * nb + b) * 16, 0, 16 * sizeof(int32_t));
+                    memset(p->mn + (r * nb + b) * 8, 0, 8 * sizeof(int32_t));
+                    memset(p->mn16 + (r * nb + b) * 8, 0, 8 * sizeof(int16_t));
+                }
+                continue;
+            }
+            const uint8_t *blk = W + (o0 + r) * rb + b * Q::BS;
+            memcpy(dst, Q::unpack(blk, qbuf, dl, mb), Q::QK);
+            if (Q::QK == 32) p->dl[r * nb + b] = dl[0];
+            else {
+                k_int_scales<Q>(blk, p->sc + (r * nb + b) * 16, p->mn + (r * nb + b) * 8, p->d + r * nb + b, p->dmin + r * nb + b);
+                for (int s = 0; s < 8; ++s) p->mn16[(r * nb + b) * 8 + s] = (int16_t)p->mn[(r * nb + b) * 8 + s];
+            }
+        }
+}
+
+/* 32-blocks with Q8_0 activations: per pair, acc = fma(dl * dx, float(lanes of 4 products), acc) per block
+   (dot_block_int's order), then the 8 lanes summed: PANEL_ROWS x 3 tokens */
+template <class Q>
+static void panel_gemm_32(const Panel *p, const ActRows *a, const int8_t *zeros, idx_t n_in, idx_t T, idx_t o0, int nr,
+                          idx_t n_out, float *Y) {
+    enum { PT = 3 };
+    const idx_t nb = n_in / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (idx_t t0 = 0; t0 < T; t0 += PT) {
+        const int nt = T - t0 < PT ? (int)(T - t0) : PT;
+        const int8_t *xr[PT];
+        const float *dxr[PT];
+        static const float dzero[1] = {0.0f};
+        for (int t = 0; t < PT; ++t) {
+            xr[t] = t < nt ? a->q + (t0 + t) * n_in : zeros;
+            dxr[t] = t < nt ? a->d + (t0 + t) * nb : dzero;
+        }
+        __m256 acc[PANEL_ROWS][PT];
+        for (int r = 0; r < PANEL_ROWS; ++r)
+            for (int t = 0; t < PT; ++t) acc[r][t] = _mm256_setzero_ps();
+        for (idx_t b = 0; b < nb; ++b) {
+            __m256i xv[PT];
+            float dx[PT];
+            for (int t = 0; t < PT; ++t) {
+                xv[t] = _mm256_loadu_si256((const __m256i *)(xr[t] + 32 * b));
+                dx[t] = t < nt ? dxr[t][b] : 0.0f;
+            }
+            for (int r = 0; r < PANEL_ROWS; ++r) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(p->q + r * n_in + 32 * b));
+                const __m256i aw = _mm256_sign_epi8(w, w);
+                const float dl = p->dl[r * nb + b];
+                for (int t = 0; t < PT; ++t) {
+                    const __m256 v = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[t], w)), ones));
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(dl * dx[t]), v, acc[r][t]);
+                }
+            }
+        }
+        for (int r = 0; r < nr; ++r)
+            for (int t = 0; t < nt; ++t) Y[(t0 + t) * n_out + o0 + r] = acc8_total(acc[r][t]);
+    }
+}
+
+/* the K-quants: ggml's tiled arithmetic per pair (see above), PANEL_ROWS x 2 tokens. The super-blocks are taken
+   in chunks of K_CHUNK so that the chunk of every token's activations stays in L2 while the panel sweeps the
+   tokens; acc (PANEL_ROWS x T) carries each pair's sum from chunk to chunk, in block order. Q4_K / Q5_K codes
+   are unsigned: maddubs takes them as they are (Q6_K's signed codes need the sign trick). */
+enum { K_CHUNK = 4 };
+
+template <class Q>
+static void panel_gemm_k(const Panel *p, const ActRows *a, const int8_t *zeros, idx_t n_in, idx_t T, idx_t o0, int nr,
+                         idx_t n_out, float *Y, float *acc) {
+    enum { PT = 2 };
+    const idx_t nb = n_in / 256;
+    for (idx_t i = 0; i < PANEL_ROWS * T; ++i) acc[i] = 0.0f;
+    for (idx_t b0 = 0; b0 < nb; b0 += K_CHUNK) {
+        const idx_t b1 = b0 + K_CHUNK < nb ? b0 + K_CHUNK : nb;
+        for (idx_t t0 = 0; t0 < T; t0 += PT) {
+            const int nt = T - t0 < PT ? (int)(T - t0) : PT;
+            const int8_t *xr[PT];
+            for (int t = 0; t < PT; ++t) xr[t] = t < nt ? a->q + (t0 + t) * n_in : zeros;
+            for (idx_t b = b0; b < b1; ++b) {
+                __m256i isum[PANEL_ROWS][PT];
+                for (int r = 0; r < PANEL_ROWS; ++r)
+                    for (int t = 0; t < PT; ++t) isum[r][t] = _mm256_setzero_si256();
+                for (int c = 0; c < 8; ++c) {
+                    __m256i xv[PT];
+                    for (int t = 0; t < PT; ++t) xv[t] = _mm256_loadu_si256((const __m256i *)(xr[t] + 256 * b + 32 * c));
+                    for (int r = 0; r < PANEL_ROWS; ++r) {
+                        const int32_t *sc = p->sc + (r * nb + b) * 16;
+                        const __m256i w = _mm256_loadu_si256((const __m256i *)(p->q + r * n_in + 256 * b + 32 * c));
+                        const __m256i s16 = Q::SUB == 32 ? _mm256_set1_epi16((short)sc[c])
+                                                         : _mm256_set_m128i(_mm_set1_epi16((short)sc[2 * c + 1]), _mm_set1_epi16((short)sc[2 * c]));
+                        if (Q::HAS_MIN) {
+                            for (int t = 0; t < PT; ++t)
+                                isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), s16));
+                        } else {
+                            const __m256i aw = _mm256_sign_epi8(w, w);
+                            for (int t = 0; t < PT; ++t)
+                                isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[t], w)), s16));
+                        }
+                    }
+                }
+                for (int r = 0; r < PANEL_ROWS; ++r)
+                    for (int t = 0; t < nt; ++t) {
+                        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(isum[r][t]), _mm256_extracti128_si256(isum[r][t], 1));
+                        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+                        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+                        float res = p->d[r * nb + b] * (float)_mm_cvtsi128_si32(h);
+                        if (Q::HAS_MIN) { /* s2: the 8 mins times the 8 per-32 sums (hadd of the per-16 bsums) */
+                            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s16 + (t0 + t) * (n_in / 16) + 16 * b));
+                            const __m128i s32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+                            __m128i m = _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(p->mn16 + (r * nb + b) * 8)), s32);
+                            m = _mm_add_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+                            m = _mm_add_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+                            res = __builtin_fmaf(-p->dmin[r * nb + b], (float)_mm_cvtsi128_si32(m), res);
+                        }
+                        float *ac = acc + r * T + t0 + t;
+                        *ac = __builtin_fmaf(res, a->d[(t0 + t) * nb + b], *ac);
+                    }
+            }
+        }
+    }
+    for (int r = 0; r < nr; ++r)
+        for (idx_t t = 0; t < T; ++t) Y[t * n_out + o0 + r] = acc[r * T + t];
+}
+
+template <class Q>
+static int run_ggml_panels(const uint8_t *W, idx_t n_out, idx_t n_in, const ActRows *a, idx_t T, float *Y, int threaded) {
+    const idx_t rb = (n_in / Q::QK) * Q::BS, n_panels = (n_out + PANEL_ROWS - 1) / PANEL_ROWS;
+    int8_t *zeros = (int8_t *)calloc((size_t)n_in + 64, 1);
+    if (!zeros) return -1;
+    int failed = 0;
+#pragma omp parallel if (threaded)
+    {
+        Panel p;
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(PANEL_ROWS * T + 1));
+        if (!acc || panel_alloc(&p, n_in) != 0) {
+            free(acc);
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (idx_t i = 0; i < n_panels; ++i) {
+                const idx_t o0 = i * PANEL_ROWS;
+                const int nr = n_out - o0 < PANEL_ROWS ? (int)(n_out - o0) : PANEL_ROWS;
+                panel_fill<Q>(&p, W, rb, n_in, o0, nr);
+                if (Q::QK == 32) panel_gemm_32<Q>(&p, a, zeros, n_in, T, o0, nr, n_out, Y);
+                else panel_gemm_k<Q>(&p, a, zeros, n_in, T, o0, nr, n_out, Y, acc);
+            }
+            free(p.mem);
+            free(acc);
+        }
+    }
+    free(zeros);
+    return failed ? -1 : 0;
+}
+#else
+enum { GGML_TILED_MIN_T = 0 };
+template <class Q>
+static int run_ggml_panels(const uint8_t *, idx_t, idx_t, const ActRows *, idx_t, float *, int) { return -1; }
+#endif
+
+/* Which arithmetic a T-row product takes (each row's own, whatever the other rows):
+   - Q4_K / Q5_K / Q6_K (AVX2): ggml's vec_dot for T < 8, its tiled matmul for T >= 8 (run_ggml_panels), as
+     llama.cpp switches (ggml-cpu/tiled, ggml_tiled_min_batch);
+   - the 32-blocks with Q8_0 activations: the integer per-block order of a one-token product at every T, in
+     register-blocked panels from T >= 16; Q4_1 / Q5_1 (Q8_1's fp16 block sum s in the offset term) the same
+     in the token-chunked loop below;
+   - Q2_K / Q3_K at T >= 16: the activation blocks dequantized (d * q, as ggml's dequantize_row_q8_K) and
+     multiplied by the float kernel (run<Q>): the same values up to float32 summation order. */
+enum { GGML_FLOAT_MIN_T = 16, GGML_PANEL_MIN_T = 16 };
 
 template <class Q>
 static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, idx_t T, float *Y) {
@@ -832,6 +1230,12 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
     ActRows a;
     if (act_alloc(&a, T, n_in, nb) != 0) return -1;
     quantize_acts<Q>(X, T, n_in, &a);
+    const int threaded = (double)n_out * (double)rb * (double)T >= 65536.0;
+    if ((GgmlDot<Q>::EXACT && T >= GGML_TILED_MIN_T) || (AQ_AVX2 && ActOf<Q>::KIND == ACT_Q8_0 && T >= GGML_PANEL_MIN_T)) {
+        const int status = run_ggml_panels<Q>(W, n_out, n_in, &a, T, Y, threaded);
+        free(a.mem);
+        return status;
+    }
     if (T >= GGML_FLOAT_MIN_T && ActOf<Q>::KIND != ACT_Q8_1) {
         float *xr = (float *)malloc(sizeof(float) * (size_t)(T * n_in));
         if (!xr) {
@@ -848,7 +1252,14 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
         free(xr);
         return status;
     }
-    const int threaded = (double)n_out * (double)rb * (double)T >= 65536.0;
+    if (GgmlDot<Q>::EXACT) {
+#pragma omp parallel for schedule(static) collapse(2) if (threaded)
+        for (idx_t o = 0; o < n_out; ++o)
+            for (idx_t t = 0; t < T; ++t)
+                Y[t * n_out + o] = GgmlDot<Q>::dot(W + o * rb, nb, a.q + t * n_in, a.d + t * nb, a.s16 + t * (n_in / 16));
+        free(a.mem);
+        return 0;
+    }
     if (T == 1) {
 #pragma omp parallel for schedule(static) if (threaded)
         for (idx_t o = 0; o < n_out; ++o) {

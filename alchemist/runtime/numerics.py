@@ -4,23 +4,24 @@
   weight. Differentiable; the reference for gradients (alchemist.symbolic).
 - "ggml" (the default): what llama.cpp's CPU backend computes. ggml-cpu multiplies a weight of type T by first
   converting each activation row to T's `vec_dot_type` (ggml-cpu.c, type_traits_cpu), then summing integer
-  products block by block, which equals dequant(W) · dequant(quant(x)) up to float32 summation order:
+  products block by block, which equals dequant(W) · dequant(quant(x)) up to float32 summation order (on C the
+  kernels take ggml's own order, so the products are llama.cpp's bit for bit; alchemist.kernels.c_kernels):
   - Q8_0 (blocks of 32, scale max|x|/127 stored as fp16, x·127/max rounded to nearest even: the AVX2
     quantize_row_q8_0) for Q4_0, Q5_0, Q8_0 and MXFP4; Q8_1 (the same values plus block sums) for Q4_1, Q5_1;
   - Q8_K (blocks of 256, float32 scale: quantize_row_q8_K_ref, iscale = -127/max where max is the element of
     largest magnitude) for the K-quants;
   - fp16 for F16 weights.
   Its GELU reads an fp16 lookup table (GGML_GELU_FP16, ggml-cpu/vec.h): gelu(x) = table[fp16(x)] for
-  -10 < x < 10. Its RMS norm sums the squares in double, in order (ggml_compute_forward_rms_norm_f32).
+  -10 < x < 10. Its SiLU is x / (1 + ggml_v_expf(-x)) in vectors of 8 (alchemist.kernels.silu). Its RMS norm sums the squares in double, in order (ggml_compute_forward_rms_norm_f32).
   Its RoPE builds cos/sin from a running product of the angle and glibc's sincosf, and rotates with fused
   multiply-adds (alchemist.kernels.rope). Its attention takes scores by ggml_vec_dot_f32, a softmax with
   ggml_v_expf and a double sum, and the values in tinyBLAS's or vec_dot's lane order (alchemist.kernels.attention).
 
 Generated modules never change: `with_numerics(module, "ggml")` returns a fresh copy of the module whose
-kernels, project(), gelu(), rms_norm(), rope_angles()/rope() and causal_attention() compute that way: the kernels
+kernels, project(), gelu(), silu(), rms_norm(), rope_angles()/rope() and causal_attention() compute that way: the kernels
 with numerics="ggml" for weights in GGUF blocks, alchemist.kernels.graph_rounding before the float32 product for
 weights held as float32 (F16/F32 tensors; every weight on JAX/MLX by default), alchemist.kernels.gelu's table
-GELU, alchemist.kernels.rms_norm's norm, alchemist.kernels.rope's RoPE and alchemist.kernels.attention's
+GELU, alchemist.kernels.silu's SiLU, alchemist.kernels.rms_norm's norm, alchemist.kernels.rope's RoPE and alchemist.kernels.attention's
 attention. The copy is re-snapshotted under a source hash of its own, so its step graphs go to (and load from) the
 on-disk graph cache like the exact module's, under other keys.
 """
@@ -38,6 +39,7 @@ from alchemist.errors import AlchemistError
 from alchemist.kernels.attention import ggml_causal_attention
 from alchemist.kernels.rms_norm import rms_norm_ggml
 from alchemist.kernels.rope import ggml_rope_functions
+from alchemist.kernels.silu import silu_ggml
 from alchemist.kernels.gelu import gelu_fp16_table, gelu_table  # noqa: F401 (gelu_fp16_table re-exported)
 from alchemist.kernels.graph_rounding import (  # noqa: F401 (_mul_f32, _div_f32 re-exported)
     Q8_0_SOURCES,
@@ -153,6 +155,8 @@ def with_numerics(module: ModuleType, numerics: str = DEFAULT) -> ModuleType:
         copy.rms_norm = ggml_rms_norm(np.float32(copy.NORM_EPS))
     if hasattr(copy, "gelu"):
         copy.gelu = gelu_table  # ggml's fp16 table: a C op on C, the same values as PyTensor ops elsewhere
+    if hasattr(copy, "silu"):
+        copy.silu = silu_ggml  # ggml_v_silu's lanes and scalar tail: a C op on C, x * sigmoid(x) elsewhere
     rope = ggml_rope_functions(copy) if hasattr(copy, "rope") else None
     if rope is not None:  # ggml's cos/sin cache and its fused rotation (alchemist.kernels.rope)
         copy.rope_angles, copy.rope = rope
