@@ -742,3 +742,37 @@ def test_decode_rejects_bad_ids(qwen):
         qwen.decode([qwen.vocab_size])
     with pytest.raises(TypeError):
         qwen.decode(["x"])
+
+
+# ----------------------------------------------------------------------------- the tokenizer cache
+def test_tokenizer_is_cached_by_file_identity(tmp_path, monkeypatch):
+    """A built tokenizer is kept in alchemist's cache: a new load reads it back without building; a damaged
+    entry is rebuilt and rewritten; a changed file gets an entry of its own."""
+    import os
+
+    import alchemist.tokenizer.tokenizer as tokenizer_module
+    from alchemist.fixtures import write_fixture
+
+    monkeypatch.setenv("ALCHEMIST_CACHE", str(tmp_path / "cache"))
+    path = write_fixture(tmp_path / "qwen2.gguf", "qwen2")
+    text = "Hello world, hello tokens 123"
+    built = load_tokenizer(path)
+    entries = list((tmp_path / "cache" / "tokenizers").glob("*.pkl"))
+    assert len(entries) == 1
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built again instead of read from the cache")
+
+    with monkeypatch.context() as m:
+        m.setattr(tokenizer_module, "read_vocab", no_build)
+        cached = load_tokenizer(path)
+    assert cached is not built and cached.encode(text) == built.encode(text) and cached.vocab.path == built.vocab.path
+
+    entries[0].write_bytes(b"not a pickle")
+    assert load_tokenizer(path).encode(text) == built.encode(text)
+    assert entries[0].read_bytes() != b"not a pickle"
+
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    load_tokenizer(path)
+    assert len(list((tmp_path / "cache" / "tokenizers").glob("*.pkl"))) == 2
