@@ -32,7 +32,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from alchemist.errors import AlchemistError, GGUFError
-from alchemist.paths import cache_subdir, remember
+from alchemist.paths import cache_subdir
 from alchemist.tokenizer.algorithms import bpe_tokenize_word, spm_merges, spm_tokenize
 from alchemist.tokenizer.vocab import (
     ATTR_BYTE,
@@ -577,16 +577,20 @@ def load_tokenizer(path: str | os.PathLike, facts=None) -> Tokenizer:
     """Build a llama.cpp-exact tokenizer from a GGUF file's own metadata (nothing is downloaded).
 
     `facts`: the file's already parsed `read_gguf(path)`, to avoid reading its vocabulary twice.
-    A tokenizer built without warnings is kept in alchemist's cache (`tokenizers/`), keyed by the file's
+    A BPE tokenizer built without warnings is kept in alchemist's cache (`tokenizers/`), keyed by the file's
     identity (path, size, mtime, inode), its first 32 MB (the metadata, vocabulary included) and this package's
     sources: a 150k-token BPE vocabulary takes ~0.5 s
     to build and ~0.15 s to load back, which a new process pays before its first token."""
     from alchemist.gguf_io import read_gguf
 
-    cache = _cache_entry(path)
+    # only BPE vocabularies are cached: their merge table is what takes the time (an SPM vocabulary builds
+    # about as fast as it unpickles, and unpickled it holds a few MB more than one built from `facts`)
+    bpe = facts is None or facts.metadata.get("tokenizer.ggml.model") == "gpt2"
+    cache = _cache_entry(path) if bpe else None
     if cache is not None and cache.is_file():
         try:
-            tok = pickle.loads(cache.read_bytes())
+            with open(cache, "rb") as f:  # streamed: a transient 10-20 MB buffer would stay in the heap
+                tok = pickle.load(f)
         except Exception:  # a damaged or foreign entry: build it again (and overwrite it below)
             tok = None
         if isinstance(tok, Tokenizer):
@@ -598,8 +602,8 @@ def load_tokenizer(path: str | os.PathLike, facts=None) -> Tokenizer:
         tok = Tokenizer(read_vocab(facts.metadata, str(Path(path))))
     for w in caught:  # shown to the caller as before; a tokenizer that warned is rebuilt (and warns) every time
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if cache is not None and not caught:
-        remember(cache, pickle.dumps(tok, protocol=pickle.HIGHEST_PROTOCOL))
+    if cache is not None and not caught and tok.vocab.kind == "bpe":
+        _store(cache, tok)
     return tok
 
 
@@ -614,14 +618,34 @@ def _cache_entry(path) -> Path | None:
     key = hashlib.sha256(_SOURCES_DIGEST.encode())
     key.update(repr((os.fspath(path), os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, tokenizers.__version__)).encode())
     try:  # and the bytes of the file's header, where its vocabulary is (a rewrite within one mtime tick)
+        chunk = bytearray(1 << 20)  # read in 1 MB pieces: one 32 MB buffer would raise malloc's mmap threshold
+        view = memoryview(chunk)
         with open(path, "rb") as f:
-            key.update(f.read(_HEADER_BYTES))
+            left = _HEADER_BYTES
+            while left > 0:
+                n = f.readinto(view[: min(left, len(chunk))])
+                if not n:
+                    break
+                key.update(view[:n])
+                left -= n
     except OSError:
         return None
     return cache_subdir("tokenizers") / f"{key.hexdigest()}.pkl"
 
 
 _HEADER_BYTES = 32 << 20
+
+
+def _store(cache: Path, tok: Tokenizer) -> None:
+    """Pickle `tok` into `cache` atomically (streamed to a temporary file, then renamed); a cache that cannot
+    be written is skipped."""
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            pickle.dump(tok, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, cache)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 # the tokenizer package's own sources: editing them invalidates every cached tokenizer
