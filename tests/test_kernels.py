@@ -428,6 +428,7 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
     got_c = np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x, raw))
     if ggml_type in ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):  # the same float operations in the same order
         assert np.array_equal(got_c, want)
+        assert np.array_equal(np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x[:1], raw)), want[:1])  # decode
     assert np.abs(got_c - want).max() <= 2e-6 * scale
     got_numba = np.asarray(compiled_ggml("numba", ggml_type, n_out, n_in)(x, raw))
     tol = 2e-3 if ggml_type in ("Q4_1", "Q5_1") else 2e-6

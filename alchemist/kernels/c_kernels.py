@@ -687,17 +687,19 @@ struct ActRows {
     int8_t *q;
     float *d, *s1;
     int16_t *s16; /* int16 as block_q8_K's bsums: |sum of 16 int8| <= 2048 */
+    int32_t *s4;  /* sums of 4 (32-block activations): an 8-lane vector per block */
     void *mem;
 };
 
 static int act_alloc(ActRows *a, idx_t T, idx_t n, idx_t nb) {
     const size_t nq = (size_t)(T * n), nd = (size_t)(T * nb), n16 = (size_t)(T * (n / 16));
-    a->mem = malloc(nq + 64 + sizeof(float) * 2 * (nd + 1) + sizeof(int16_t) * (n16 + 1) + 32);
+    a->mem = malloc(nq + 64 + sizeof(float) * 2 * (nd + 1) + sizeof(int16_t) * (n16 + 1) + 32 + sizeof(int32_t) * (nq / 4 + 16));
     if (!a->mem) return -1;
     a->d = (float *)a->mem;
     a->s1 = a->d + nd + 1;
     a->s16 = (int16_t *)(a->s1 + nd + 1);
     a->q = (int8_t *)(a->s16 + n16 + 16);
+    a->s4 = (int32_t *)(((uintptr_t)(a->q + nq) + 63) & ~(uintptr_t)63);
     return 0;
 }
 
@@ -764,8 +766,14 @@ template <class Q>
 static void quantize_acts(const float *X, idx_t T, idx_t n, ActRows *a) {
     const idx_t nb = n / Q::QK;
 #pragma omp parallel for schedule(static) if (T >= 8 && T * n >= 65536)
-    for (idx_t t = 0; t < T; ++t)
+    for (idx_t t = 0; t < T; ++t) {
         quantize_act_row<ActOf<Q>::KIND>(X + t * n, n, a->q + t * n, a->d + t * nb, a->s1 + t * nb, a->s16 + t * (n / 16));
+        if (ActOf<Q>::KIND == ACT_Q8_0)
+            for (idx_t g = 0; g < n / 4; ++g) {
+                const int8_t *q = a->q + t * n + 4 * g;
+                a->s4[t * (n / 4) + g] = (int32_t)q[0] + q[1] + q[2] + q[3];
+            }
+    }
 }
 
 /* sum_s dl[s] * (q . xq over sub-block s), times dx, added into acc (AVX2: 8 float lanes) */
@@ -807,6 +815,29 @@ static inline acc8 dot_block_int(const int8_t *q, const float *dl, const int8_t 
     }
     return acc;
 }
+#endif
+
+#if AQ_AVX2
+/* Q4_0 / Q5_0 store q + OFF as unsigned codes. A lane of 4 products is then sum(code * x) - OFF * sum(x): the
+   same integer as ggml's sum((code - OFF) * x) with its sign trick, in fewer instructions (maddubs takes the
+   codes as they are; the activations' sums of 4 are computed once per token). */
+template <class Q>
+struct OffsetCodes {
+    enum { HAS = 0, SHIFT = 0 };
+    static inline __m256i codes(const uint8_t *) { return _mm256_setzero_si256(); }
+};
+template <>
+struct OffsetCodes<Q4_0> {
+    enum { HAS = 1, SHIFT = 3 };
+    static inline __m256i codes(const uint8_t *b) { return nibbles_32(b + 2); }
+};
+template <>
+struct OffsetCodes<Q5_0> {
+    enum { HAS = 1, SHIFT = 4 };
+    static inline __m256i codes(const uint8_t *b) {
+        return _mm256_or_si256(nibbles_32(b + 6), _mm256_and_si256(bytes_from_bits_32(b + 2), i8_set1(0x10)));
+    }
+};
 #endif
 
 /* the offset part of block b of one activation row */
@@ -1260,6 +1291,27 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
         free(a.mem);
         return 0;
     }
+#if AQ_AVX2
+    if (T == 1 && OffsetCodes<Q>::HAS) {
+        const __m256i ones = _mm256_set1_epi16(1);
+#pragma omp parallel for schedule(static) if (threaded)
+        for (idx_t o = 0; o < n_out; ++o) {
+            const uint8_t *row = W + o * rb;
+            __m256 acc = _mm256_setzero_ps();
+            for (idx_t b = 0; b < nb; ++b) {
+                const uint8_t *blk = row + b * Q::BS;
+                __builtin_prefetch(blk + PREFETCH);
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(a.q + 32 * b));
+                const __m256i off = _mm256_slli_epi32(_mm256_load_si256((const __m256i *)(a.s4 + 8 * b)), OffsetCodes<Q>::SHIFT);
+                const __m256i lanes = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(OffsetCodes<Q>::codes(blk), xv), ones), off);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * a.d[b]), _mm256_cvtepi32_ps(lanes), acc);
+            }
+            Y[o] = acc8_total(acc);
+        }
+        free(a.mem);
+        return 0;
+    }
+#endif
     if (T == 1) {
 #pragma omp parallel for schedule(static) if (threaded)
         for (idx_t o = 0; o < n_out; ++o) {
