@@ -896,11 +896,34 @@ static inline __m128i k45_mins_dot(const int16_t *bsums, __m128i mins) {
     return _mm_madd_epi16(mins, q8s);
 }
 
+/* the scaled integer sums of one Q4_K (HIGH = 0) or Q5_K (HIGH = 1) super-block: 8 int32 lanes, ggml's order.
+   Per 64 quants j, the low nibbles (plus qh bit 2j on Q5_K) meet the first 32 activations, the high nibbles
+   (plus bit 2j + 1) the next 32. */
+template <int HIGH>
+static inline __m256i k45_block_sumi(const uint8_t *b, __m256i scales, const int8_t *q8) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const uint8_t *qs = HIGH ? b + 48 : b + 16;
+    const __m256i hbits = HIGH ? load32(b + 16) : _mm256_setzero_si256();
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+        const __m256i bits = load32(qs + 32 * j);
+        __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+        if (HIGH) {
+            const __m256i hm0 = _mm256_set1_epi8((char)(1 << (2 * j))), hm1 = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
+            lo = _mm256_add_epi8(lo, _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hm0), 2 * j), 4));
+            hi = _mm256_add_epi8(hi, _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hm1), 2 * j + 1), 4));
+        }
+        const __m256i p16l = _mm256_madd_epi16(k4_scale(scales, 2 * j), _mm256_maddubs_epi16(lo, load32((const uint8_t *)q8 + 64 * j)));
+        const __m256i p16h = _mm256_madd_epi16(k4_scale(scales, 2 * j + 1), _mm256_maddubs_epi16(hi, load32((const uint8_t *)q8 + 64 * j + 32)));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+    }
+    return sumi;
+}
+
 template <>
 struct GgmlDot<Q4_K> {
     enum { EXACT = 1 };
     static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
-        const __m256i m4 = _mm256_set1_epi8(0xF);
         __m256 acc = _mm256_setzero_ps();
         __m128 acc_m = _mm_setzero_ps();
         for (idx_t i = 0; i < nb; ++i) {
@@ -912,19 +935,7 @@ struct GgmlDot<Q4_K> {
             __m128i mins;
             k45_scales(b, &scales, &mins);
             acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(k45_mins_dot(ybs + 16 * i, mins)), acc_m);
-            const uint8_t *q4 = b + 16;
-            const int8_t *q8 = yq + 256 * i;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 4; ++j) {
-                const __m256i q4bits = load32(q4 + 32 * j);
-                const __m256i q4l = _mm256_and_si256(q4bits, m4);
-                const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-                const __m256i p16l = _mm256_madd_epi16(k4_scale(scales, 2 * j), _mm256_maddubs_epi16(q4l, load32((const uint8_t *)q8 + 64 * j)));
-                const __m256i p16h =
-                    _mm256_madd_epi16(k4_scale(scales, 2 * j + 1), _mm256_maddubs_epi16(q4h, load32((const uint8_t *)q8 + 64 * j + 32)));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
-            }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(k45_block_sumi<0>(b, scales, yq + 256 * i)), acc);
         }
         acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
         acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
@@ -936,7 +947,6 @@ template <>
 struct GgmlDot<Q5_K> {
     enum { EXACT = 1 };
     static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
-        const __m256i m4 = _mm256_set1_epi8(0xF);
         __m256 acc = _mm256_setzero_ps();
         float summs = 0.0f;
         for (idx_t i = 0; i < nb; ++i) {
@@ -951,23 +961,7 @@ struct GgmlDot<Q5_K> {
             const __m128i zero = _mm_setzero_si128();
             const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, zero), zero);
             summs = __builtin_fmaf(dmin, (float)_mm_extract_epi32(hsum, 0), summs); /* ggml's summs += dmin * i, contracted */
-            const __m256i hbits = load32(b + 16);
-            const uint8_t *q5 = b + 48;
-            const int8_t *q8 = yq + 256 * i;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 4; ++j) {
-                const __m256i q5bits = load32(q5 + 32 * j);
-                const __m256i hm0 = _mm256_set1_epi8((char)(1 << (2 * j))), hm1 = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
-                const __m256i q5_0 = _mm256_add_epi8(_mm256_and_si256(q5bits, m4),
-                                                     _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hm0), 2 * j), 4));
-                const __m256i q5_1 = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4),
-                                                     _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hm1), 2 * j + 1), 4));
-                const __m256i p16_0 = _mm256_madd_epi16(k4_scale(scales, 2 * j), _mm256_maddubs_epi16(q5_0, load32((const uint8_t *)q8 + 64 * j)));
-                const __m256i p16_1 =
-                    _mm256_madd_epi16(k4_scale(scales, 2 * j + 1), _mm256_maddubs_epi16(q5_1, load32((const uint8_t *)q8 + 64 * j + 32)));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
-            }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(k45_block_sumi<1>(b, scales, yq + 256 * i)), acc);
         }
         return acc8_total(acc) + summs;
     }
@@ -1053,22 +1047,21 @@ enum { PANEL_ROWS = 4 };
 struct Panel {
     int8_t *q;       /* PANEL_ROWS x n_in codes */
     float *dl, *d, *dmin; /* 32-blocks: dl per block; K-quants: d, dmin per block */
-    int32_t *sc, *mn; /* K-quants: 16 scales, 8 mins per block */
-    int16_t *mn16;    /* the mins as int16, for madd */
+    int32_t *sc;      /* K-quants: 16 scales per block */
+    int16_t *mn16;    /* K-quants: 8 mins per block, int16 for madd */
     void *mem;
 };
 
 static int panel_alloc(Panel *p, idx_t n_in) {
     const idx_t nb32 = n_in / 32, nb = n_in / 256 + 1;
     p->mem = calloc(1, (size_t)(PANEL_ROWS * n_in + 64) + sizeof(float) * (size_t)(PANEL_ROWS * (nb32 + 2 * nb) + 8) +
-                           sizeof(int32_t) * (size_t)(PANEL_ROWS * nb * 28 + 32));
+                           sizeof(int32_t) * (size_t)(PANEL_ROWS * nb * 20 + 32));
     if (!p->mem) return -1;
     p->dl = (float *)p->mem;
     p->d = p->dl + PANEL_ROWS * nb32 + 2;
     p->dmin = p->d + PANEL_ROWS * nb + 2;
     p->sc = (int32_t *)(p->dmin + PANEL_ROWS * nb + 4);
-    p->mn = p->sc + PANEL_ROWS * nb * 16;
-    p->mn16 = (int16_t *)(p->mn + PANEL_ROWS * nb * 8 + 8);
+    p->mn16 = (int16_t *)(p->sc + PANEL_ROWS * nb * 16 + 8);
     p->q = (int8_t *)(p->mn16 + PANEL_ROWS * nb * 8 + 16);
     return 0;
 }
@@ -1088,7 +1081,6 @@ static void panel_fill(Panel *p, const uint8_t *W, idx_t rb, idx_t n_in, idx_t o
                 else {
                     p->d[r * nb + b] = p->dmin[r * nb + b] = 0.0f;
                     memset(p->sc + (r * nb + b) * 16, 0, 16 * sizeof(int32_t));
-                    memset(p->mn + (r * nb + b) * 8, 0, 8 * sizeof(int32_t));
                     memset(p->mn16 + (r * nb + b) * 8, 0, 8 * sizeof(int16_t));
                 }
                 continue;
@@ -1097,8 +1089,9 @@ static void panel_fill(Panel *p, const uint8_t *W, idx_t rb, idx_t n_in, idx_t o
             memcpy(dst, Q::unpack(blk, qbuf, dl, mb), Q::QK);
             if (Q::QK == 32) p->dl[r * nb + b] = dl[0];
             else {
-                k_int_scales<Q>(blk, p->sc + (r * nb + b) * 16, p->mn + (r * nb + b) * 8, p->d + r * nb + b, p->dmin + r * nb + b);
-                for (int s = 0; s < 8; ++s) p->mn16[(r * nb + b) * 8 + s] = (int16_t)p->mn[(r * nb + b) * 8 + s];
+                int32_t mn[8] = {0};
+                k_int_scales<Q>(blk, p->sc + (r * nb + b) * 16, mn, p->d + r * nb + b, p->dmin + r * nb + b);
+                for (int s = 0; s < 8; ++s) p->mn16[(r * nb + b) * 8 + s] = (int16_t)mn[s];
             }
         }
 }
