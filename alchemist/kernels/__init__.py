@@ -28,9 +28,10 @@ Two numerics (the `numerics=` keyword of quantized_linear / quantized_expert_lin
   "exact"  float32 products with the exactly dequantized weights (differentiable; the reference for gradients)
   "ggml"   llama.cpp's CPU arithmetic: each activation row rounded to the weight type's vec_dot_type blocks
            (Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants), then
-           C, T < 16    integer dot products per 32 quants (AVX2 maddubs, ggml's sign trick) scaled per sub-block;
-                        bit-identical to ggml's vec_dot for Q4_0/Q5_0/Q8_0/Q4_1/Q5_1, float32 eps otherwise
-           C, T >= 16   the activation blocks dequantized, then the exact path's float kernel (same values)
+           C            integer dot products (AVX2 maddubs) with ggml's own float operations in its order: per
+                        block for the 32-blocks at every T; vec_dot_q*_K_q8_K below 8 rows and ggml's tiled K-quant
+                        matmul from 8 rows on for Q4_K/Q5_K/Q6_K: llama.cpp's products bit for bit (Q2_K/Q3_K
+                        and MXFP4 float32 eps apart; Q2_K/Q3_K at T >= 16 through the exact path's float kernel)
            Numba, JAX, MLX  dequant(quant(x)) (alchemist.kernels.activations / graph_rounding), then the exact
                         product; Q4_1/Q5_1 differ from ggml in the offset term (~1e-3 relative), which ggml takes
                         from Q8_1's fp16 block sum

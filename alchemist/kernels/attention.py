@@ -36,8 +36,10 @@ import hashlib
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
-from pytensor.graph.rewriting.basic import in2out, node_rewriter
+from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.link.c.op import COp
+
+from alchemist.kernels.expansion import register_expansion
 
 V_EXPF_C = r"""
 static inline uint32_t fbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
@@ -628,12 +630,4 @@ def expand_causal_attention_ggml(fgraph, node):
     return [pt.specify_shape(out, node.outputs[0].type.shape) if None not in node.outputs[0].type.shape else out]
 
 
-def _register_expansion():
-    from pytensor.compile.mode import optdb
-
-    name = "alchemist_expand_causal_attention_ggml"
-    if name not in optdb:
-        optdb.register(name, in2out(expand_causal_attention_ggml), "numba", "jax", "mlx", position=0.9)
-
-
-_register_expansion()
+register_expansion("alchemist_expand_causal_attention_ggml", expand_causal_attention_ggml)

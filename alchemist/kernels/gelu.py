@@ -15,11 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
-from pytensor.graph.rewriting.basic import in2out, node_rewriter
+from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.link.c.op import COp
 
 from alchemist.kernels.c_same_shape import same_shape_c_code
-
+from alchemist.kernels.expansion import register_expansion
 from alchemist.kernels.graph_rounding import _fp16
 
 GELU_C = r"""
@@ -163,12 +163,4 @@ def expand_gelu_table(fgraph, node):
     return [gelu_fp16_table(node.inputs[0])]
 
 
-def _register_expansion():
-    from pytensor.compile.mode import optdb
-
-    name = "alchemist_expand_gelu_table"
-    if name not in optdb:
-        optdb.register(name, in2out(expand_gelu_table), "numba", "jax", "mlx", position=0.9)
-
-
-_register_expansion()
+register_expansion("alchemist_expand_gelu_table", expand_gelu_table)

@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
-from pytensor.graph.rewriting.basic import in2out, node_rewriter
+from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.link.c.op import COp
 from pytensor.link.c.params_type import ParamsType
 from pytensor.scalar import int64
@@ -23,6 +23,7 @@ from pytensor.tensor.type import TensorType
 
 from alchemist.kernels import formats
 from alchemist.kernels.c_kernels import C_SOURCE
+from alchemist.kernels.expansion import register_expansion
 
 _C_API_VERSION = 2  # bump when the c_code glue changes (its source is hashed too, when inspect can read it)
 
@@ -568,14 +569,10 @@ def expand_quantized_expert_matmul(fgraph, node):
     return [new if new.type == old.type else old.type.filter_variable(new, allow_convert=True)]
 
 
-def _register_expansion():
-    from pytensor.compile.mode import optdb
-
-    name = "alchemist_expand_quantized_matmul"
-    if name not in optdb:
-        # before canonicalize (position 1), so the expanded graph is rewritten like any other
-        rewrites = in2out(expand_quantized_matmul, expand_quantized_embedding, expand_quantized_expert_matmul)
-        optdb.register(name, rewrites, "jax", "mlx", position=0.9)
-
-
-_register_expansion()
+register_expansion(
+    "alchemist_expand_quantized_matmul",
+    expand_quantized_matmul,
+    expand_quantized_embedding,
+    expand_quantized_expert_matmul,
+    backends=("jax", "mlx"),  # Numba has the kernels' own loops
+)

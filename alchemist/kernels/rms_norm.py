@@ -22,10 +22,11 @@ from functools import lru_cache
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
-from pytensor.graph.rewriting.basic import in2out, node_rewriter
+from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.link.c.op import COp
 
 from alchemist.kernels.c_same_shape import same_shape_c_code
+from alchemist.kernels.expansion import register_expansion
 
 RMS_NORM_C = r"""
 #include <math.h>
@@ -206,12 +207,4 @@ def register_numba() -> None:
     _numba_registered.append(True)
 
 
-def _register_expansion():
-    from pytensor.compile.mode import optdb
-
-    name = "alchemist_expand_rms_norm_ggml"
-    if name not in optdb:
-        optdb.register(name, in2out(expand_rms_norm_ggml), "jax", "mlx", position=0.9)
-
-
-_register_expansion()
+register_expansion("alchemist_expand_rms_norm_ggml", expand_rms_norm_ggml, backends=("jax", "mlx"))  # Numba runs the loops

@@ -34,8 +34,10 @@ import hashlib
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
-from pytensor.graph.rewriting.basic import in2out, node_rewriter
+from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.link.c.op import COp
+
+from alchemist.kernels.expansion import register_expansion
 
 STYLES = ("neox", "norm")
 
@@ -416,15 +418,7 @@ def expand_rope_ggml(fgraph, node):
     return [rope_formula(*node.inputs, node.op.style, node.op.n_dims)]
 
 
-def _register_expansion():
-    from pytensor.compile.mode import optdb
-
-    name = "alchemist_expand_rope_ggml"
-    if name not in optdb:
-        optdb.register(name, in2out(expand_rope_ggml), "numba", "jax", "mlx", position=0.9)
-
-
-_register_expansion()
+register_expansion("alchemist_expand_rope_ggml", expand_rope_ggml)
 
 
 # -- a generated module's rope_angles() / rope() computing as ggml does ------------------------------------

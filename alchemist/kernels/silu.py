@@ -21,11 +21,12 @@ from functools import lru_cache
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
-from pytensor.graph.rewriting.basic import in2out, node_rewriter
+from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.link.c.op import COp
 
 from alchemist.kernels.attention import V_EXPF_C, v_expf_reference
 from alchemist.kernels.c_same_shape import same_shape_c_code
+from alchemist.kernels.expansion import register_expansion
 
 SILU_C = (
     r"""
@@ -130,12 +131,4 @@ def expand_silu_ggml(fgraph, node):
     return [silu_formula(node.inputs[0])]
 
 
-def _register_expansion():
-    from pytensor.compile.mode import optdb
-
-    name = "alchemist_expand_silu_ggml"
-    if name not in optdb:
-        optdb.register(name, in2out(expand_silu_ggml), "numba", "jax", "mlx", position=0.9)
-
-
-_register_expansion()
+register_expansion("alchemist_expand_silu_ggml", expand_silu_ggml)
