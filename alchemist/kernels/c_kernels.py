@@ -687,7 +687,7 @@ struct ActRows {
     int8_t *q;
     float *d, *s1;
     int16_t *s16; /* int16 as block_q8_K's bsums: |sum of 16 int8| <= 2048 */
-    int32_t *s4;  /* sums of 4 (32-block activations): an 8-lane vector per block */
+    int32_t *s4;  /* T == 1, 32-block activations: sums of 4, an 8-lane vector per block (OffsetCodes) */
     void *mem;
 };
 
@@ -768,7 +768,7 @@ static void quantize_acts(const float *X, idx_t T, idx_t n, ActRows *a) {
 #pragma omp parallel for schedule(static) if (T >= 8 && T * n >= 65536)
     for (idx_t t = 0; t < T; ++t) {
         quantize_act_row<ActOf<Q>::KIND>(X + t * n, n, a->q + t * n, a->d + t * nb, a->s1 + t * nb, a->s16 + t * (n / 16));
-        if (ActOf<Q>::KIND == ACT_Q8_0)
+        if (ActOf<Q>::KIND == ACT_Q8_0 && T == 1) /* only the one-row Q4_0 / Q5_0 loop reads them */
             for (idx_t g = 0; g < n / 4; ++g) {
                 const int8_t *q = a->q + t * n + 4 * g;
                 a->s4[t * (n / 4) + g] = (int32_t)q[0] + q[1] + q[2] + q[3];
