@@ -411,3 +411,44 @@ def test_string_arrays_decode_in_batches_exactly_as_one_by_one(monkeypatch):
         arr = StringArray("f.gguf", "k", memoryview(data), starts_bad, lengths_bad)
         with pytest.raises(GGUFError, match=rf"k\[{len(strings)}\].*not valid UTF-8"):
             arr.to_list()
+
+
+def test_string_array_offsets_are_remembered_only_for_the_same_bytes(tmp_path, monkeypatch):
+    """A long string array's offsets are remembered on disk and read back instead of walking its length
+    prefixes, but only while the bytes they span are the same: a changed string (here made invalid UTF-8,
+    under the same lookup key) is parsed and checked afresh, and a damaged memo is ignored and rewritten."""
+    from alchemist.fixtures import write_fixture
+    from alchemist.gguf_io import reader
+
+    monkeypatch.setenv("ALCHEMIST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(reader, "ENDS_MEMO_MIN_COUNT", 1)
+    monkeypatch.setattr(reader, "ENDS_MEMO_KEY_BYTES", 16)  # so that a change further on keeps the key
+    path = write_fixture(tmp_path / "qwen2.gguf", "qwen2")
+    tokens = read_gguf(path).metadata["tokenizer.ggml.tokens"].to_list()
+    memos = sorted((tmp_path / "cache" / "gguf").glob("*.ends"))
+    assert len(memos) == 2  # the tokens and the merges
+
+    def no_walk(*args):
+        raise AssertionError("walked the length prefixes instead of reading the memo")
+
+    with monkeypatch.context() as m:
+        m.setattr(reader, "_string_ends", no_walk)
+        assert read_gguf(path).metadata["tokenizer.ggml.tokens"].to_list() == tokens
+
+    data = bytearray(path.read_bytes())
+    last = tokens[-1].encode()
+    at = data.index(last, data.index(b"tokenizer.ggml.tokens"))
+    while data.find(last, at + 1) != -1 and data.find(last, at + 1) < data.index(b"tokenizer.ggml.merges"):
+        at = data.find(last, at + 1)
+    data[at] = 0xFF
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=rf"tokenizer\.ggml\.tokens\[{len(tokens) - 1}\].*not valid UTF-8"):
+        read_gguf(bad)
+
+    for memo in memos:
+        memo.write_bytes(memo.read_bytes()[:-8])
+    assert read_gguf(path).metadata["tokenizer.ggml.tokens"].to_list() == tokens
+    with monkeypatch.context() as m:  # rewritten whole by that read
+        m.setattr(reader, "_string_ends", no_walk)
+        assert read_gguf(path).metadata["tokenizer.ggml.tokens"].to_list() == tokens

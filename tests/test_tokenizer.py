@@ -22,6 +22,8 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pickle
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -767,6 +769,13 @@ def test_tokenizer_is_cached_by_file_identity(tmp_path, monkeypatch):
         m.setattr(tokenizer_module, "read_vocab", no_build)
         cached = load_tokenizer(path)
     assert cached is not built and cached.encode(text) == built.encode(text) and cached.vocab.path == built.vocab.path
+    # pickled compactly (ids for the merges, no token -> id map, no ranks): rebuilt equal on loading
+    assert cached._t2i is cached.vocab.token_to_id and cached._tokens is cached.vocab.tokens
+    assert cached.vocab.token_to_id == built.vocab.token_to_id and cached.vocab.merges == built.vocab.merges
+    assert cached._ranks == built._ranks and cached._good_merges == built._good_merges
+    odd = built.vocab.merges + [("no-such-token", "x")]  # a merge piece that is not a token: kept as text
+    built.vocab.merges = odd
+    assert pickle.loads(pickle.dumps(built.vocab)).merges == odd
 
     entries[0].write_bytes(b"not a pickle")
     assert load_tokenizer(path).encode(text) == built.encode(text)

@@ -207,6 +207,30 @@ def test_generated_module_is_valid_formatted_and_deterministic(tiny_gguf, arch):
     assert f'"ir_sha256": "{ir.ir_hash()}"' in src
 
 
+def test_rendered_modules_are_remembered_by_their_ir(tiny_gguf, tmp_path, monkeypatch):
+    """render_module reads a module it rendered before back from the cache (a new process opening a model
+    does not render the template again); an IR differing in any field renders afresh."""
+    import dataclasses
+
+    from alchemist.codegen import render
+
+    monkeypatch.setenv("ALCHEMIST_CACHE", str(tmp_path / "cache"))
+    ir = build_model_ir(read_gguf(tiny_gguf("qwen2")))
+    src = render_module(ir)
+    assert len(list((tmp_path / "cache" / "rendered").glob("*.py"))) == 1
+
+    def no_render():
+        raise AssertionError("rendered again instead of read from the cache")
+
+    with monkeypatch.context() as m:
+        m.setattr(render, "_environment", no_render)
+        assert render_module(build_model_ir(read_gguf(tiny_gguf("qwen2")))) == src
+        with pytest.raises(AssertionError, match="rendered again"):
+            render_module(dataclasses.replace(ir, model_name=ir.model_name + " v2"))
+    renamed = render_module(dataclasses.replace(ir, model_name=ir.model_name + " v2"))
+    assert renamed != src and ir.model_name + " v2" in renamed
+
+
 def test_generated_module_is_standalone(tiny_module):
     module, path = tiny_module("qwen2")
     weights = module.load_weights(str(path))

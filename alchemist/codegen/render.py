@@ -8,6 +8,7 @@ rendered with StrictUndefined, formatted with black and parsed back with libcst 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -18,6 +19,7 @@ import jinja2
 import libcst
 
 from alchemist import __version__
+from alchemist import ir as ir_module
 from alchemist.errors import UnsupportedModelError
 from alchemist.ir import Activation, LayerSpec, MLPKind, ModelIR, QKNormScope, RopeScaling, RopeStyle, Wiring
 
@@ -354,8 +356,32 @@ ACTIVATION_FUNCTIONS = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu", A
 
 
 def render_module(ir: ModelIR) -> str:
-    """Source text of the generated module for `ir`: rendered, black-formatted, libcst-parseable."""
-    return _format(_environment().get_template("model.py.j2").render(**template_context(ir)))
+    """Source text of the generated module for `ir`: rendered, black-formatted, libcst-parseable.
+
+    Remembered on disk by the IR's repr and the renderer's sources (rendering the template takes ~0.1 s, which
+    every new process opening a model would pay before its first token)."""
+    from alchemist.paths import cache_subdir, remember
+
+    key = hashlib.sha256(f"{_renderer_digest()}\0{ir!r}".encode()).hexdigest()
+    memo = cache_subdir("rendered") / f"{key}.py"
+    try:
+        return memo.read_text()
+    except OSError:
+        pass
+    source = _format(_environment().get_template("model.py.j2").render(**template_context(ir)))
+    remember(memo, source)
+    return source
+
+
+@functools.lru_cache(maxsize=1)
+def _renderer_digest() -> str:
+    """sha256 over what turns an IR into source text: this module, the IR's classes, the templates, black."""
+    digest = hashlib.sha256(f"{__version__}\0{black.__version__}\0{BLACK_MODE}".encode())
+    for path in [Path(__file__), Path(ir_module.__file__), *sorted(TEMPLATES_DIR.rglob("*"))]:
+        if path.is_file():
+            digest.update(f"\0{path.name}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _format(raw: str) -> str:

@@ -332,7 +332,9 @@ def _read_string_array(cur: _Cursor, key: str, count: int, count_at: int, facts_
     if count * 8 > cur.size - cur.pos:
         cur.fail(key, f"array of {count} strings does not fit in the file", count_at)
     buf, pos, size, region_start = cur.buf, cur.pos, cur.size, cur.pos
-    ends = _string_ends(buf, pos, size, count)
+    memo = _ends_memo(buf, pos, size, count) if count >= ENDS_MEMO_MIN_COUNT else None
+    remembered = None if memo is None else _remembered_ends(memo, buf, pos, size, count)
+    ends = remembered if remembered is not None else _string_ends(buf, pos, size, count)
     if ends is not None:
         starts_np = np.empty(count, dtype=np.int64)
         if count:
@@ -340,7 +342,10 @@ def _read_string_array(cur: _Cursor, key: str, count: int, count_at: int, facts_
             starts_np[1:] = ends[:-1] + 8
             cur.pos = int(ends[-1])
         lengths_np = ends - starts_np
-        _check_utf8(cur, key, region_start, cur.pos, starts_np, lengths_np)
+        if remembered is None:  # (remembered ends: these same bytes passed the check before)
+            _check_utf8(cur, key, region_start, cur.pos, starts_np, lengths_np)
+            if memo is not None:
+                _remember_ends(memo, buf, pos, ends)
         return StringArray(facts_path, key, buf, starts_np, lengths_np)
     # A string runs past the end of the file: find which, one by one, to say so.
     unpack = struct.Struct("<Q").unpack_from
@@ -353,6 +358,49 @@ def _read_string_array(cur: _Cursor, key: str, count: int, count_at: int, facts_
             cur.fail(f"{key}[{i}]", f"string length {n} runs past the end of the file", pos - 8)
         pos += n
     raise AssertionError("unreachable: _string_ends failed but every string fits")  # pragma: no cover
+
+
+# String arrays this long (a vocabulary, its merges) have their string offsets remembered on disk: walking
+# the length prefixes is a Python loop (~0.1 s for a 150k-token vocabulary and its merges) that every new
+# process opening the model would otherwise pay.
+ENDS_MEMO_MIN_COUNT = 16384
+ENDS_MEMO_KEY_BYTES = 65536  # the memo is looked up by this many bytes from the array's start
+
+
+def _ends_memo(buf, pos: int, size: int, count: int) -> Path | None:
+    """Where the offsets of the `count` strings at `pos` are remembered, looked up by the array's first bytes
+    (a copy of the file elsewhere finds them too); None when the cache directory is unusable."""
+    from alchemist.paths import cache_subdir
+
+    key = hashlib.sha256(b"gguf string ends 1\0%d\0" % count)
+    key.update(buf[pos : min(size, pos + ENDS_MEMO_KEY_BYTES)])
+    try:
+        return cache_subdir("gguf") / f"{key.hexdigest()}.ends"
+    except OSError:
+        return None
+
+
+def _remembered_ends(memo: Path, buf, pos: int, size: int, count: int) -> np.ndarray | None:
+    """The remembered end offsets, if the memo holds `count` of them and the sha256 of the bytes they span
+    (every length prefix and string) is still that of the bytes from `pos` to the last end; else None."""
+    try:
+        data = memo.read_bytes()
+    except OSError:
+        return None
+    if len(data) != 32 + 8 * count:
+        return None
+    ends = np.frombuffer(data, dtype="<i8", offset=32)
+    end = int(ends[-1])
+    if not pos + 8 * count <= end <= size or hashlib.sha256(buf[pos:end]).digest() != data[:32]:
+        return None
+    return ends.astype(np.int64, copy=False)
+
+
+def _remember_ends(memo: Path, buf, pos: int, ends: np.ndarray) -> None:
+    from alchemist.paths import remember
+
+    digest = hashlib.sha256(buf[pos : int(ends[-1])]).digest()
+    remember(memo, digest + ends.astype("<i8").tobytes())
 
 
 def _string_ends(buf, pos: int, size: int, count: int) -> np.ndarray | None:

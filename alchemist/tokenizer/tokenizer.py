@@ -111,6 +111,25 @@ class Tokenizer:
         self.build_info = BuildInfo(time.perf_counter() - t0, n_merges, exact, tuple(notes))
         self._chat = None
 
+    # What the vocabulary determines is rebuilt on unpickling rather than stored (see Vocab.__getstate__).
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_t2i"] = None
+        if "_ranks" in state:
+            state["_ranks"] = None
+            if state["_bpe_exact"]:
+                state["_good_merges"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._t2i = self.vocab.token_to_id
+        if state.get("_ranks", 0) is None:
+            merges = self.vocab.merges
+            self._ranks = dict(zip(merges, range(len(merges))))
+            if self._good_merges is None:
+                self._good_merges = merges
+
     # ------------------------------------------------------------------ construction
     def build_fast_path(self) -> "Tokenizer":
         """Build the Hugging Face merge table now (otherwise it is built after FAST_PATH_AFTER_CHARS)."""
@@ -586,7 +605,7 @@ def load_tokenizer(path: str | os.PathLike, facts=None) -> Tokenizer:
     # only BPE vocabularies are cached: their merge table is what takes the time (an SPM vocabulary builds
     # about as fast as it unpickles, and unpickled it holds a few MB more than one built from `facts`)
     bpe = facts is None or facts.metadata.get("tokenizer.ggml.model") == "gpt2"
-    cache = _cache_entry(path) if bpe else None
+    cache = _cache_entry(path, facts) if bpe else None
     if cache is not None and cache.is_file():
         try:
             with open(cache, "rb") as f:  # streamed: a transient 10-20 MB buffer would stay in the heap
@@ -607,8 +626,11 @@ def load_tokenizer(path: str | os.PathLike, facts=None) -> Tokenizer:
     return tok
 
 
-def _cache_entry(path) -> Path | None:
-    """Where the tokenizer of the GGUF file at `path` is cached (None: the file cannot be stat'ed)."""
+def _cache_entry(path, facts=None) -> Path | None:
+    """Where the tokenizer of the GGUF file at `path` is cached (None: the file cannot be stat'ed).
+
+    The key covers the file's metadata bytes: its first 32 MB, or with `facts` everything before the tensor
+    data when that is shorter (hashed from the memory map)."""
     try:
         st = os.stat(path)
     except OSError:
@@ -617,6 +639,10 @@ def _cache_entry(path) -> Path | None:
 
     key = hashlib.sha256(_SOURCES_DIGEST.encode())
     key.update(repr((os.fspath(path), os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, tokenizers.__version__)).encode())
+    buf = getattr(facts, "_buffer", None)
+    if buf is not None and 0 < facts.data_offset <= min(_HEADER_BYTES, len(buf)):
+        key.update(buf[: facts.data_offset])
+        return cache_subdir("tokenizers") / f"{key.hexdigest()}.pkl"
     try:  # and the bytes of the file's header, where its vocabulary is (a rewrite within one mtime tick)
         chunk = bytearray(1 << 20)  # read in 1 MB pieces: one 32 MB buffer would raise malloc's mmap threshold
         view = memoryview(chunk)

@@ -115,6 +115,26 @@ class Vocab:
     notes: list[str] = field(default_factory=list)  # what llama.cpp would have logged as warnings
     phi3_rstrip: bool = False  # llama.cpp marks every special token RSTRIP for models named phi-3
 
+    # Pickled compactly (load_tokenizer's cache is read by every new process before its first token): the
+    # token -> id map is rebuilt from the tokens (they are distinct), and merges whose pieces are all tokens are
+    # stored as id pairs, rebuilt as tuples of the token strings themselves.
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["token_to_id"] = None
+        t2i = self.token_to_id
+        if all(a in t2i and b in t2i for a, b in self.merges):
+            state["merges"] = np.array([(t2i[a], t2i[b]) for a, b in self.merges], dtype=np.int32).reshape(-1, 2)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        tokens = state["tokens"]
+        state["token_to_id"] = dict(zip(tokens, range(len(tokens))))
+        if isinstance(state["merges"], np.ndarray):
+            get = tokens.__getitem__
+            ids = state["merges"]
+            state["merges"] = list(zip(map(get, ids[:, 0].tolist()), map(get, ids[:, 1].tolist())))
+        self.__dict__.update(state)
+
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
