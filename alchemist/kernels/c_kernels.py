@@ -687,7 +687,7 @@ struct ActRows {
     int8_t *q;
     float *d, *s1;
     int16_t *s16; /* int16 as block_q8_K's bsums: |sum of 16 int8| <= 2048 */
-    int32_t *s4;  /* T == 1, 32-block activations: sums of 4, an 8-lane vector per block (OffsetCodes) */
+    int32_t *s4;  /* T == 1, Q4_0 / Q5_0: OFF x the sums of 4, an 8-lane vector per block (OffsetCodes) */
     void *mem;
 };
 
@@ -762,16 +762,30 @@ static void quantize_act_row(const float *x, idx_t n, int8_t *q, float *d, float
     int_sums16(q, n, s16);
 }
 
+/* Q4_0 / Q5_0 store q + OFF as unsigned codes (OffsetCodes below) */
+template <class Q>
+struct CodeOffset {
+    enum { OFF = 0 };
+};
+template <>
+struct CodeOffset<Q4_0> {
+    enum { OFF = 8 };
+};
+template <>
+struct CodeOffset<Q5_0> {
+    enum { OFF = 16 };
+};
+
 template <class Q>
 static void quantize_acts(const float *X, idx_t T, idx_t n, ActRows *a) {
     const idx_t nb = n / Q::QK;
 #pragma omp parallel for schedule(static) if (T >= 8 && T * n >= 65536)
     for (idx_t t = 0; t < T; ++t) {
         quantize_act_row<ActOf<Q>::KIND>(X + t * n, n, a->q + t * n, a->d + t * nb, a->s1 + t * nb, a->s16 + t * (n / 16));
-        if (ActOf<Q>::KIND == ACT_Q8_0 && T == 1) /* only the one-row Q4_0 / Q5_0 loop reads them */
+        if (CodeOffset<Q>::OFF && T == 1) /* only the one-row Q4_0 / Q5_0 loop reads them */
             for (idx_t g = 0; g < n / 4; ++g) {
                 const int8_t *q = a->q + t * n + 4 * g;
-                a->s4[t * (n / 4) + g] = (int32_t)q[0] + q[1] + q[2] + q[3];
+                a->s4[t * (n / 4) + g] = CodeOffset<Q>::OFF * ((int32_t)q[0] + q[1] + q[2] + q[3]);
             }
     }
 }
@@ -820,23 +834,30 @@ static inline acc8 dot_block_int(const int8_t *q, const float *dl, const int8_t 
 #if AQ_AVX2
 /* Q4_0 / Q5_0 store q + OFF as unsigned codes. A lane of 4 products is then sum(code * x) - OFF * sum(x): the
    same integer as ggml's sum((code - OFF) * x) with its sign trick, in fewer instructions (maddubs takes the
-   codes as they are; the activations' sums of 4 are computed once per token). */
+   codes as they are; OFF x the activations' sums of 4 is computed once per token). */
 template <class Q>
 struct OffsetCodes {
-    enum { HAS = 0, SHIFT = 0 };
+    enum { HAS = 0 };
     static inline __m256i codes(const uint8_t *) { return _mm256_setzero_si256(); }
 };
 template <>
 struct OffsetCodes<Q4_0> {
-    enum { HAS = 1, SHIFT = 3 };
+    enum { HAS = 1 };
     static inline __m256i codes(const uint8_t *b) { return nibbles_32(b + 2); }
 };
+/* Q5_0's fifth bits: byte j of Q5_HIGH_BITS[v] is 0x10 where bit j of v is set. Four table reads on the
+   integer side instead of a broadcast, shuffle, compare and mask on the vector side, which bounds this loop. */
+static const uint64_t Q5_HIGH_BITS[256] = {/*Q5_HIGH_BITS*/};
+static inline __m256i q5_high_bits(const uint8_t *p) {
+    const uint32_t qh = u32le(p);
+    const __m128i lo = _mm_insert_epi64(_mm_cvtsi64_si128((long long)Q5_HIGH_BITS[qh & 255]), (long long)Q5_HIGH_BITS[(qh >> 8) & 255], 1);
+    const __m128i hi = _mm_insert_epi64(_mm_cvtsi64_si128((long long)Q5_HIGH_BITS[(qh >> 16) & 255]), (long long)Q5_HIGH_BITS[qh >> 24], 1);
+    return _mm256_set_m128i(hi, lo);
+}
 template <>
 struct OffsetCodes<Q5_0> {
-    enum { HAS = 1, SHIFT = 4 };
-    static inline __m256i codes(const uint8_t *b) {
-        return _mm256_or_si256(nibbles_32(b + 6), _mm256_and_si256(bytes_from_bits_32(b + 2), i8_set1(0x10)));
-    }
+    enum { HAS = 1 };
+    static inline __m256i codes(const uint8_t *b) { return _mm256_or_si256(nibbles_32(b + 6), q5_high_bits(b + 2)); }
 };
 #endif
 
@@ -1295,7 +1316,7 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
                 const uint8_t *blk = row + b * Q::BS;
                 __builtin_prefetch(blk + PREFETCH);
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(a.q + 32 * b));
-                const __m256i off = _mm256_slli_epi32(_mm256_load_si256((const __m256i *)(a.s4 + 8 * b)), OffsetCodes<Q>::SHIFT);
+                const __m256i off = _mm256_load_si256((const __m256i *)(a.s4 + 8 * b));
                 const __m256i lanes = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(OffsetCodes<Q>::codes(blk), xv), ones), off);
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * a.d[b]), _mm256_cvtepi32_ps(lanes), acc);
             }
@@ -1412,3 +1433,8 @@ done:
 
 }  // namespace alchemist_q
 """
+
+C_SOURCE = C_SOURCE.replace(
+    "/*Q5_HIGH_BITS*/",
+    ", ".join(f"0x{sum(0x10 << 8 * j for j in range(8) if v >> j & 1):016x}ull" for v in range(256)),
+)
