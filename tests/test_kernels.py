@@ -25,6 +25,7 @@ from alchemist.kernels import (  # noqa: E402
     row_bytes,
 )
 from alchemist.kernels.formats import reference_dequantize  # noqa: E402
+from alchemist.kernels import native  # noqa: E402
 from alchemist.runtime.backends import get_mode  # noqa: E402
 
 # byte offsets of the fp16 scale fields (d, and m / dmin where present) in each block
@@ -44,7 +45,7 @@ SCALE_FIELDS = {
 E8M0_FIELDS = {"MXFP4": (0,)}
 EXTREME_E8M0 = np.array([0, 1, 2, 3, 100, 127, 128, 150], dtype=np.uint8)
 REFERENCE_TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
-BACKENDS = ("c", "numba", "jax", "mlx")
+BACKENDS = ("c", "numba", "numba-own", "jax", "mlx")  # numba-own: Numba without the C kernels (see `compiled`)
 EXTREME_F16 = np.array([65504.0, -65504.0, 6.0e-8, -6.0e-8, 6.1e-5, 0.0, -0.0, 1.0, -2.5, 1024.0], dtype=np.float16)
 
 
@@ -90,12 +91,15 @@ def compiled():
     def get(backend, ggml_type, n_out, n_in):
         key = (backend, ggml_type, n_out, n_in)
         if key not in cache:
-            pytest.importorskip({"c": "pytensor", "numba": "numba", "jax": "jax", "mlx": "mlx"}[backend])
+            pytest.importorskip({"c": "pytensor", "numba": "numba", "jax": "jax", "mlx": "mlx"}[backend.removesuffix("-own")])
             x = pt.matrix("x", dtype="float32")
             w = pt.matrix("w", dtype="uint8", shape=(n_out, row_bytes(ggml_type, n_in)))
-            cache[key] = pytensor.function(
-                [x, w], quantized_linear(x, w, ggml_type, n_out, n_in), mode=get_mode(backend)
-            )
+            with pytest.MonkeyPatch.context() as m:
+                if backend == "numba-own":  # Numba's own kernels, not the C kernels' shared library
+                    m.setenv("ALCHEMIST_NUMBA_NATIVE", "0")
+                cache[key] = pytensor.function(
+                    [x, w], quantized_linear(x, w, ggml_type, n_out, n_in), mode=get_mode(backend.removesuffix("-own"))
+                )
         return cache[key]
 
     return get
@@ -148,7 +152,7 @@ def test_random_blocks(compiled, backend, ggml_type):
         assert_close(np.asarray(f(x, raw)), x, raw, ggml_type)
 
 
-@pytest.mark.parametrize("backend", ("c", "numba"))
+@pytest.mark.parametrize("backend", ("c", "numba", "numba-own"))
 @pytest.mark.parametrize("ggml_type", SUPPORTED_TYPES)
 def test_extreme_scales(compiled, backend, ggml_type):
     """fp16 scales at max, subnormal, zero, negative zero; activations spanning 1e-30..1e4."""
@@ -162,7 +166,7 @@ def test_extreme_scales(compiled, backend, ggml_type):
         assert_close(np.asarray(f(x.astype(np.float32), raw)), x.astype(np.float32), raw, ggml_type)
 
 
-@pytest.mark.parametrize("backend", ("c", "numba"))
+@pytest.mark.parametrize("backend", ("c", "numba", "numba-own"))
 def test_non_finite_scales_propagate(compiled, backend):
     rng = np.random.default_rng(3)
     raw = random_blocks(rng, "Q8_0", 19, 96)
@@ -190,7 +194,7 @@ def test_c_and_numba_agree_on_long_prefill(compiled):
     rng = np.random.default_rng(11)
     raw = random_blocks(rng, "Q4_K", 19, 768)  # the shape of test_random_blocks: same compiled function
     x = rng.standard_normal((70, 768)).astype(np.float32)
-    for backend in ("c", "numba"):
+    for backend in ("c", "numba", "numba-own"):
         assert_close(np.asarray(compiled(backend, "Q4_K", 19, 768)(x, raw)), x, raw, "Q4_K")
 
 
@@ -265,7 +269,7 @@ def compiled_embedding():
     return get
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ("c", "numba", "jax", "mlx"))
 @pytest.mark.parametrize("ggml_type", ("Q8_0", "Q5_0", "Q4_K", "Q6_K", "Q4_1", "MXFP4"))
 def test_embedding_is_exact(compiled_embedding, backend, ggml_type):
     """quantized_embedding(w, idx) == gguf-py's dequantize(w)[idx], bit for bit."""
@@ -342,12 +346,16 @@ def compiled_ggml():
     cache = {}
 
     def get(backend, ggml_type, n_out, n_in):
+        """backend "numba-own": Numba with its own kernels (not the C kernels' shared library)."""
         key = (backend, ggml_type, n_out, n_in)
         if key not in cache:
             x = pt.matrix("x", dtype="float32")
             w = pt.matrix("w", dtype="uint8", shape=(n_out, row_bytes(ggml_type, n_in)))
             y = quantized_linear(x, w, ggml_type, n_out, n_in, numerics="ggml")
-            cache[key] = pytensor.function([x, w], y, mode=get_mode(backend))
+            with pytest.MonkeyPatch.context() as m:
+                if backend == "numba-own":
+                    m.setenv("ALCHEMIST_NUMBA_NATIVE", "0")
+                cache[key] = pytensor.function([x, w], y, mode=get_mode(backend.removesuffix("-own")))
         return cache[key]
 
     return get
@@ -384,13 +392,14 @@ def q8_0_identity(n):
     return blocks.reshape(n, -1)
 
 
-@pytest.mark.parametrize("backend", ("c", "numba"))
+@pytest.mark.parametrize("backend", ("c", "numba", "numba-own"))
 @pytest.mark.parametrize("ggml_type", ("Q8_0", "Q6_K"))
 def test_ggml_activation_quantization_is_bit_exact(ggml_ref, compiled_ggml, backend, ggml_type):
     """With identity weights the product is dequant(quant(x)) itself: it must equal ggml's, bit for bit, for
-    both activation formats (Q8_0 blocks of 32 with an fp16 scale; Q8_K blocks of 256, float scale). Except on
-    C with Q6_K, whose product is ggml_vec_dot_q6_K_q8_K's: that adds the quants' +32 offset and takes it off
-    again in lanes that only cancel in the final float sum, so it is ggml's own product of the identity."""
+    both activation formats (Q8_0 blocks of 32 with an fp16 scale; Q8_K blocks of 256, float scale). Except
+    with the C kernels (on C, and on Numba through their shared library) with Q6_K, whose product is
+    ggml_vec_dot_q6_K_q8_K's: that adds the quants' +32 offset and takes it off again in lanes that only cancel
+    in the final float sum, so it is ggml's own product of the identity."""
     from alchemist.harness.quantize import quantize_array
 
     n = 512
@@ -400,7 +409,7 @@ def test_ggml_activation_quantization_is_bit_exact(ggml_ref, compiled_ggml, back
     x[1] = 0.0  # an all-zero row: scale 0
     x[2, :32] = np.float32(1e-3) * np.arange(32)  # ties and tiny values
     want = ggml_dequantized_activations(ggml_ref, ggml_type, x)
-    if backend == "c" and ggml_type == "Q6_K":
+    if (backend == "c" or backend == "numba" and native.matmul_kernel()) and ggml_type == "Q6_K":
         want = np.array([[ggml_ref.vec_dot(ggml_type, eye[o], ggml_ref.quantize_row(ggml_type, row), n) for o in range(n)] for row in x], np.float32)
     for T in (1, 6):  # the decode path and the batched path
         got = np.asarray(compiled_ggml(backend, ggml_type, n, n)(x[:T], eye))
@@ -412,8 +421,9 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
     """Every row of x @ W.T against ggml_vec_dot_<type>_q8_* on ggml's own activation blocks. On C the 32-blocks
     and Q4_K / Q5_K / Q6_K compute the very same float operations (bit-identical); Q2_K, Q3_K and MXFP4 sum in
     another order (float32 eps).
-    Numba multiplies the rounded activations with the dequantized weights (Q4_1/Q5_1 differ in their offset term,
-    which ggml takes from the fp16 block sum of Q8_1)."""
+    Numba runs the same C kernels (alchemist.kernels.native): the same results. Numba's own kernels multiply the
+    rounded activations with the dequantized weights (Q4_1/Q5_1 differ in their offset term, which ggml takes
+    from the fp16 block sum of Q8_1)."""
     from alchemist.harness.quantize import quantize_array
 
     rng = np.random.default_rng(4)
@@ -430,7 +440,9 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
         assert np.array_equal(got_c, want)
         assert np.array_equal(np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x[:1], raw)), want[:1])  # decode
     assert np.abs(got_c - want).max() <= 2e-6 * scale
-    got_numba = np.asarray(compiled_ggml("numba", ggml_type, n_out, n_in)(x, raw))
+    if native.matmul_kernel():
+        assert np.array_equal(np.asarray(compiled_ggml("numba", ggml_type, n_out, n_in)(x, raw)), got_c)
+    got_numba = np.asarray(compiled_ggml("numba-own", ggml_type, n_out, n_in)(x, raw))
     tol = 2e-3 if ggml_type in ("Q4_1", "Q5_1") else 2e-6
     assert np.abs(got_numba - want).max() <= tol * scale
 
@@ -569,3 +581,25 @@ def test_silu_ggml_is_ggml_vec_silu(ggml_ref, n):
     got = np.asarray(pytensor.function([xv], SiluGgml()(xv), mode=get_mode("c"))(x))
     assert np.array_equal(got, want) and np.array_equal(silu_reference(x), want)
     assert np.array_equal(np.stack([ggml_ref.vec_swiglu(a, b) for a, b in zip(x, g)]), got * g)
+
+
+def test_native_kernels_build_once_per_machine_and_fall_back_with_a_warning(tmp_path, monkeypatch):
+    """The C kernels' shared library (Numba's matmul) is built once into the cache and reused; a build that
+    fails warns and leaves Numba its own kernels, as ALCHEMIST_NUMBA_NATIVE=0 does."""
+    import functools
+
+    monkeypatch.setenv("ALCHEMIST_CACHE", str(tmp_path / "cache"))
+    cxx = pytensor.config.cxx
+    _, version = native._load(cxx)
+    assert len(list((tmp_path / "cache" / "native").glob("*.so"))) == 1
+    calls, run = [], native.subprocess.run
+    monkeypatch.setattr(native.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or run(cmd, **kw))
+    assert native._load(cxx)[1] == version
+    assert calls and all(cmd[1:] == ["--version"] for cmd in calls)  # asked the compiler's version, built nothing
+
+    monkeypatch.setattr(native, "_source", lambda name: "this is not C++")
+    monkeypatch.setattr(native, "_built", functools.lru_cache(maxsize=1)(native._built.__wrapped__))
+    with pytest.warns(UserWarning, match="own matmul kernels: the C kernel library did not build"):
+        assert native.matmul_kernel() is None
+    monkeypatch.setenv("ALCHEMIST_NUMBA_NATIVE", "0")
+    assert native.matmul_kernel() is None

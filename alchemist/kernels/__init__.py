@@ -18,7 +18,9 @@ dequantized in the graph).
 Per backend (Ops `QuantizedMatmul`, `QuantizedEmbedding`):
   C (CVM)   C++ kernels (AVX-512 / AVX2 intrinsics, portable fallback), OpenMP over output rows;
             T >= 16: ~4 MB panels of rows dequantized exactly, then sgemm (alchemist/kernels/c_kernels.py)
-  Numba     njit(parallel=True) drivers per type, prange over output rows; T >= 16: panels + np.dot
+  Numba     the C kernels above, built once per machine into a shared library and called from Numba's compiled
+            code (alchemist/kernels/native.py); without a C++ compiler (or ALCHEMIST_NUMBA_NATIVE=0) its own
+            njit(parallel=True) drivers per type, prange over output rows; T >= 16: panels + np.dot
             (alchemist/kernels/numba_kernels.py); registered with PyTensor's Numba dispatch on first use
   JAX, MLX  rewritten (rewrite tagged "jax"/"mlx" only) into plain PyTensor ops: dot(x, dequantize_rows(w).T)
             - correct, but dequantizes the whole weight on every call
@@ -32,6 +34,7 @@ Two numerics (the `numerics=` keyword of quantized_linear / quantized_expert_lin
                         block for the 32-blocks at every T; vec_dot_q*_K_q8_K below 8 rows and ggml's tiled K-quant
                         matmul from 8 rows on for Q4_K/Q5_K/Q6_K: llama.cpp's products bit for bit (Q2_K/Q3_K
                         and MXFP4 float32 eps apart; Q2_K/Q3_K at T >= 16 through the exact path's float kernel)
+           Numba        the C kernels (the same products); with its own kernels, as JAX and MLX:
            Numba, JAX, MLX  dequant(quant(x)) (alchemist.kernels.activations / graph_rounding), then the exact
                         product; Q4_1/Q5_1 differ from ggml in the offset term (~1e-3 relative), which ggml takes
                         from Q8_1's fp16 block sum
@@ -41,7 +44,7 @@ Exact numerics (all float32; results equal dequantize-then-matmul up to float32 
   C, T < 16    per sub-block of 16/32 weights: dl * sum(q * x) (+ mb * sum(x)), dl and mb computed as gguf-py
                does, vector lanes summed pairwise; row t of a T-token product == the 1-token product
   C, T >= 16   exact gguf-py dequantization (bit for bit, no FMA contraction) of a panel, then sgemm
-  Numba        exact gguf-py dequantization of each row, then a float32 dot (the dot alone is compiled with
+  Numba        the C kernels; its own kernels: exact gguf-py dequantization of each row, then a float32 dot (the dot alone is compiled with
                fastmath={"reassoc"} so LLVM vectorizes it; no nnan/ninf, so nan/inf propagate); T >= 16: np.dot
   embedding    bit-exact gguf-py dequantization of the selected rows, on every backend
 """

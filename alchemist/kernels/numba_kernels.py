@@ -1,5 +1,9 @@
 """Numba kernels for `QuantizedMatmul` and their registration with PyTensor's Numba backend.
 
+A QuantizedMatmul compiled for Numba calls the C backend's kernels when they could be built into a shared
+library (alchemist.kernels.native); the kernels below serve when they could not (no C++ compiler) or
+ALCHEMIST_NUMBA_NATIVE=0 asks for them.
+
 Output rows are split into `prange` chunks. Per row: the row is dequantized into a float32 buffer exactly as
 gguf-py does it (same float32 operations: d * q, d * q + m, dl * q - ml), then dotted with each token.
 The dequantization runs with fastmath=False; the dot alone is compiled with fastmath={"reassoc"} so that
@@ -570,6 +574,7 @@ def register_numba():
 
     from numba.np.ufunc.parallel import _launch_threads
 
+    from alchemist.kernels.native import TYPE_INDEX, matmul_kernel
     from alchemist.kernels.op import QuantizedEmbedding, QuantizedMatmul
 
     @register_funcify_default_op_cache_key(QuantizedEmbedding)
@@ -596,6 +601,26 @@ def register_numba():
             activations.activation_kind(op.ggml_type),
             op.numerics == "ggml",
         )
+
+        native = matmul_kernel()
+        if native is not None:  # the C backend's own kernels, from one shared library (alchemist.kernels.native)
+            c_matmul, c_version = native
+            type_index, use_ggml = TYPE_INDEX[op.ggml_type], int(ggml)
+
+            @numba_basic.numba_njit
+            def quantized_matmul_c(x, w):
+                if x.shape[1] != n_in or w.shape[0] != n_out or w.shape[1] != row_bytes:
+                    raise ValueError("QuantizedMatmul: x or w does not have the shape the Op was built for")
+                xc, wc = np.ascontiguousarray(x), np.ascontiguousarray(w)
+                y = np.empty((xc.shape[0], n_out), dtype=np.float32)
+                status = c_matmul(
+                    type_index, use_ggml, wc.ctypes.data, n_out, n_in, xc.ctypes.data, xc.shape[0], y.ctypes.data
+                )
+                if status != 0:
+                    raise MemoryError("QuantizedMatmul: the C kernel could not allocate its work buffers")
+                return y
+
+            return quantized_matmul_c, _SOURCE_VERSION ^ c_version
 
         @numba_basic.numba_njit
         def quantized_matmul(x, w):
