@@ -360,17 +360,24 @@ def render_module(ir: ModelIR) -> str:
 
     Remembered on disk by the IR's repr and the renderer's sources (rendering the template takes ~0.1 s, which
     every new process opening a model would pay before its first token)."""
+    key = hashlib.sha256(f"{_renderer_digest()}\0{ir!r}".encode()).hexdigest()
+    return _remembered_text(
+        "rendered", key, lambda: _format(_environment().get_template("model.py.j2").render(**template_context(ir)))
+    )
+
+
+def _remembered_text(subdir: str, key: str, make) -> str:
+    """The text remembered under alchemist's cache `subdir`/`key`.py, else make() (then remembered)."""
     from alchemist.paths import cache_subdir, remember
 
-    key = hashlib.sha256(f"{_renderer_digest()}\0{ir!r}".encode()).hexdigest()
-    memo = cache_subdir("rendered") / f"{key}.py"
+    memo = cache_subdir(subdir) / f"{key}.py"
     try:
         return memo.read_text()
     except OSError:
         pass
-    source = _format(_environment().get_template("model.py.j2").render(**template_context(ir)))
-    remember(memo, source)
-    return source
+    text = make()
+    remember(memo, text)
+    return text
 
 
 @functools.lru_cache(maxsize=1)
@@ -387,15 +394,11 @@ def _renderer_digest() -> str:
 def _format(raw: str) -> str:
     """black-format `raw` and check that libcst parses it; remembered on disk by the raw text's sha256
     (black and libcst take 0.5 s for a model module, on every load_llm otherwise)."""
-    from alchemist.paths import cache_subdir, remember
-
     key = hashlib.sha256(f"{black.__version__}\0{BLACK_MODE}\0{raw}".encode()).hexdigest()
-    memo = cache_subdir("formatted") / f"{key}.py"
-    try:
-        return memo.read_text()
-    except OSError:
-        pass
+    return _remembered_text("formatted", key, lambda: _formatted(raw))
+
+
+def _formatted(raw: str) -> str:
     source = black.format_str(raw, mode=BLACK_MODE)
     libcst.parse_module(source)  # raises on anything that is not valid Python
-    remember(memo, source)
     return source

@@ -834,15 +834,14 @@ static inline acc8 dot_block_int(const int8_t *q, const float *dl, const int8_t 
 #if AQ_AVX2
 /* Q4_0 / Q5_0 store q + OFF as unsigned codes. A lane of 4 products is then sum(code * x) - OFF * sum(x): the
    same integer as ggml's sum((code - OFF) * x) with its sign trick, in fewer instructions (maddubs takes the
-   codes as they are; OFF x the activations' sums of 4 is computed once per token). */
+   codes as they are; OFF x the activations' sums of 4 is computed once per token). Used where CodeOffset<Q>::OFF
+   is not 0. */
 template <class Q>
 struct OffsetCodes {
-    enum { HAS = 0 };
     static inline __m256i codes(const uint8_t *) { return _mm256_setzero_si256(); }
 };
 template <>
 struct OffsetCodes<Q4_0> {
-    enum { HAS = 1 };
     static inline __m256i codes(const uint8_t *b) { return nibbles_32(b + 2); }
 };
 /* Q5_0's fifth bits: byte j of Q5_HIGH_BITS[v] is 0x10 where bit j of v is set. Four table reads on the
@@ -856,7 +855,6 @@ static inline __m256i q5_high_bits(const uint8_t *p) {
 }
 template <>
 struct OffsetCodes<Q5_0> {
-    enum { HAS = 1 };
     static inline __m256i codes(const uint8_t *b) { return _mm256_or_si256(nibbles_32(b + 6), q5_high_bits(b + 2)); }
 };
 #endif
@@ -1306,7 +1304,7 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
         return 0;
     }
 #if AQ_AVX2
-    if (T == 1 && OffsetCodes<Q>::HAS) {
+    if (T == 1 && CodeOffset<Q>::OFF) {
         const __m256i ones = _mm256_set1_epi16(1);
 #pragma omp parallel for schedule(static) if (threaded)
         for (idx_t o = 0; o < n_out; ++o) {

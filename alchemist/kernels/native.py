@@ -25,7 +25,7 @@ from pathlib import Path
 from alchemist.kernels import formats
 from alchemist.kernels.c_kernels import C_SOURCE
 
-# the order of the `type_index` argument (the same as alchemist.kernels.numba_kernels.KINDS)
+# the `type_index` argument (also the type index of Numba's own kernels, alchemist.kernels.numba_kernels.KINDS)
 TYPE_INDEX = {name: i for i, name in enumerate(formats.SUPPORTED_TYPES)}
 
 _ENTRY = """
@@ -44,32 +44,35 @@ extern "C" __attribute__((visibility("default"))) int {name}(int type_index, int
 
 
 def _source(name: str) -> str:
-    from alchemist.kernels.op import _have_blas
+    from alchemist.kernels.op import kernel_source
 
     cases = "\n".join(
         f"    case {i}: return ggml ? run_ggml<{t}>(w, n_out, n_in, x, T, y) : run<{t}>(w, n_out, n_in, x, T, y);"
         for t, i in TYPE_INDEX.items()
     )
-    body = C_SOURCE + _ENTRY.format(name=name, cases=cases)
-    if not _have_blas():
-        return body
-    from pytensor.tensor.blas.c_code.blas_headers import blas_header_text
-
-    return blas_header_text() + "\n#define ALCHEMIST_HAVE_BLAS 1\n" + body
+    return kernel_source() + _ENTRY.format(name=name, cases=cases)
 
 
-def _command(cxx: str, source: Path, target: Path) -> list[str]:
-    """The compiler command: PyTensor's own g++ flags (-march=..., -fPIC) and the kernel Ops' flags and libraries."""
+def _command(cxx: str) -> list[str]:
+    """The compiler command, run in the build folder: PyTensor's own g++ flags (-march=..., -fPIC) and the kernel
+    Ops' flags and libraries."""
     from pytensor.link.c.cmodule import GCC_compiler
 
-    from alchemist.kernels.op import _blas_flags, _openmp_flags
+    from alchemist.kernels.op import _blas_flags, kernel_compile_args, kernel_libraries
 
-    links = [f"-l{lib}" for lib in _blas_flags()] + [f"-L{d}" for d in _blas_flags(libs_dir=True)]
     includes = [f"-I{d}" for d in _blas_flags(include_dir=True)]
+    links = [f"-L{d}" for d in _blas_flags(libs_dir=True)] + [f"-l{lib}" for lib in kernel_libraries()]
     return [
-        cxx, "-shared", "-O3", "-ffp-contract=off", *_openmp_flags(), *GCC_compiler.compile_args(), *includes,
-        *_blas_flags(flags=True), "-o", str(target), str(source), *links, *(["-lgomp"] if _openmp_flags() else []),
-    ]  # fmt: skip
+        cxx,
+        "-shared",
+        *GCC_compiler.compile_args(),
+        *kernel_compile_args(),
+        *includes,
+        "-o",
+        "k.so",
+        "k.cpp",
+        *links,
+    ]
 
 
 def matmul_kernel():
@@ -103,16 +106,15 @@ def _load(cxx: str):
     name = f"alchemist_matmul_{probe}"
     source = _source(name)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    flags = _command(cxx, Path("k.cpp"), Path("k.so"))  # (the key must not see the build's temporary folder)
-    key = hashlib.sha256("\0".join([source, version, *flags]).encode()).hexdigest()
+    command = _command(cxx)
+    key = hashlib.sha256("\0".join([source, version, *command]).encode()).hexdigest()
     library = cache_subdir("native") / f"{key}.so"
     if not library.is_file():
         with tempfile.TemporaryDirectory() as tmp:
-            flags = _command(cxx, Path(tmp) / "k.cpp", Path(tmp) / "k.so")
             (Path(tmp) / "k.cpp").write_text(source)
-            done = subprocess.run(flags, capture_output=True, text=True, check=False)
+            done = subprocess.run(command, cwd=tmp, capture_output=True, text=True, check=False)
             if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(flags[:3])} ... exited {done.returncode}: {done.stderr[-2000:]}")
+                raise RuntimeError(f"{' '.join(command[:2])} ... exited {done.returncode}: {done.stderr[-2000:]}")
             staged = library.with_suffix(f".{os.getpid()}.tmp")
             shutil.copyfile(Path(tmp) / "k.so", staged)
             os.replace(staged, library)

@@ -22,8 +22,9 @@ import numpy as np
 from numba import prange
 
 from alchemist.kernels import activations, formats
+from alchemist.kernels.native import TYPE_INDEX
 
-KINDS = {name: i for i, name in enumerate(formats.SUPPORTED_TYPES)}
+KINDS = TYPE_INDEX  # one driver serves every type; the C kernels' library takes the same indices
 _QK = np.array([formats.BLOCK_SIZES[t][0] for t in formats.SUPPORTED_TYPES], dtype=np.int64)
 K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q2_K, K_Q3_K, K_Q4_K, K_Q5_K, K_Q6_K, K_MXFP4 = (
     KINDS[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
@@ -574,7 +575,7 @@ def register_numba():
 
     from numba.np.ufunc.parallel import _launch_threads
 
-    from alchemist.kernels.native import TYPE_INDEX, matmul_kernel
+    from alchemist.kernels.native import matmul_kernel
     from alchemist.kernels.op import QuantizedEmbedding, QuantizedMatmul
 
     @register_funcify_default_op_cache_key(QuantizedEmbedding)
@@ -593,19 +594,11 @@ def register_numba():
     def numba_funcify_QuantizedMatmul(op, node=None, **kwargs):
         # PyTensor may load the whole compiled graph (our prange driver linked in) from its own cache; Numba
         # then never starts its threading layer and the first prange segfaults. Start it here (idempotent).
-        _launch_threads()
-        driver = DRIVERS[op.ggml_type]
-        n_out, n_in, row_bytes = op.n_out, op.n_in, op.row_bytes
-        round_rows, kind, ggml = (
-            activations.round_rows_numba(),
-            activations.activation_kind(op.ggml_type),
-            op.numerics == "ggml",
-        )
-
+        n_out, n_in, row_bytes, ggml = op.n_out, op.n_in, op.row_bytes, op.numerics == "ggml"
         native = matmul_kernel()
         if native is not None:  # the C backend's own kernels, from one shared library (alchemist.kernels.native)
             c_matmul, c_version = native
-            type_index, use_ggml = TYPE_INDEX[op.ggml_type], int(ggml)
+            type_index, use_ggml = KINDS[op.ggml_type], int(ggml)
 
             @numba_basic.numba_njit
             def quantized_matmul_c(x, w):
@@ -621,6 +614,10 @@ def register_numba():
                 return y
 
             return quantized_matmul_c, _SOURCE_VERSION ^ c_version
+
+        _launch_threads()
+        driver = DRIVERS[op.ggml_type]
+        round_rows, kind = activations.round_rows_numba(), activations.activation_kind(op.ggml_type)
 
         @numba_basic.numba_njit
         def quantized_matmul(x, w):

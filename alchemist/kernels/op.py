@@ -57,25 +57,38 @@ def _blas_flags(**which) -> list[str]:
     return ldflags()
 
 
+# The kernels' C build settings, shared by the kernel Ops and the Numba backend's library (kernels/native.py).
+# BLAS (PyTensor's blas__ldflags) serves the T >= 16 path; without one that path is compiled out.
+def kernel_source() -> str:
+    if not _have_blas():
+        return C_SOURCE
+    from pytensor.tensor.blas.c_code.blas_headers import blas_header_text
+
+    return blas_header_text() + "\n#define ALCHEMIST_HAVE_BLAS 1\n" + C_SOURCE
+
+
+def kernel_compile_args() -> list[str]:
+    return [*_openmp_flags(), "-O3", "-ffp-contract=off", *_blas_flags(flags=True)]
+
+
+def kernel_libraries() -> list[str]:
+    return [*_blas_flags(), *(["gomp"] if _openmp_flags() else [])]
+
+
 class _KernelCOp(COp):
     """C build settings shared by the kernel Ops: the kernel source, OpenMP, BLAS, no FMA contraction."""
 
-    # BLAS (PyTensor's blas__ldflags) serves the T >= 16 path; without one that path is compiled out.
     def c_support_code(self, **kwargs):
-        if not _have_blas():
-            return C_SOURCE
-        from pytensor.tensor.blas.c_code.blas_headers import blas_header_text
-
-        return blas_header_text() + "\n#define ALCHEMIST_HAVE_BLAS 1\n" + C_SOURCE
+        return kernel_source()
 
     def c_headers(self, **kwargs):
         return ["<stdint.h>", "<string.h>", "<stdlib.h>"]
 
     def c_compile_args(self, **kwargs):
-        return [*_openmp_flags(), "-O3", "-ffp-contract=off", *_blas_flags(flags=True)]
+        return kernel_compile_args()
 
     def c_libraries(self, **kwargs):
-        return [*_blas_flags(), *(["gomp"] if _openmp_flags() else [])]
+        return kernel_libraries()
 
     def c_lib_dirs(self, **kwargs):
         return _blas_flags(libs_dir=True)

@@ -124,7 +124,7 @@ class Tokenizer:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._t2i = self.vocab.token_to_id
-        if state.get("_ranks", 0) is None:
+        if "_ranks" in state and state["_ranks"] is None:  # a BPE tokenizer (see __getstate__)
             merges = self.vocab.merges
             self._ranks = dict(zip(merges, range(len(merges))))
             if self._good_merges is None:
