@@ -229,22 +229,30 @@ GEMMA_NEAR_TIE = pytest.mark.xfail(
     ],
 )
 def test_reference_models(reference_models, name, backend):
+    """Both reference models against llama.cpp. C: the prompt's logits bit for bit, then 32 greedy steps. Numba:
+    the prompt only. It compiles each step function whole, minutes per reference-model graph on a cold cache;
+    its decode step is the same graph at T = 1 and is checked through the KV cache on the fixtures
+    (test_serving_engine) and by `alchemist validate` (README, "Validation")."""
     from alchemist.tokenizer import load_tokenizer
 
     path = str(reference_models[name])
     prompt = load_tokenizer(path).encode("What's causal inference? Causal inference is the study of how")
+    n_generate = 32 if backend == "c" else 0
     report = validate_model(
-        path, [backend], prompt=prompt, n_generate=32, context=128, n_threads=2, progress=None, numerics="ggml"
+        path, [backend], prompt=prompt, n_generate=n_generate, context=128, n_threads=2, progress=None,
+        numerics="ggml",
     )
     res = report["backends"][backend]
+    greedy = res.get("greedy", {"n_agree": 0, "disagreements": []})
     print(f"\n{name} [{backend}, ggml]: prompt {res['prompt']['top1_agree']}/{len(prompt)}, "
           f"KL {res['prompt']['mean_kl']:.3g}, Pearson {res['prompt']['mean_pearson']:.6f}, greedy "
-          f"{res['greedy']['n_agree']}/32, disagreements {res['greedy']['disagreements']}")
+          f"{greedy['n_agree']}/{n_generate}, disagreements {greedy['disagreements']}")
     assert report["numerics"] == "ggml" and res["numerics"] == "ggml"
     assert res["prompt"]["mean_kl"] <= THRESHOLDS["mean_kl"] and res["prompt"]["mean_pearson"] >= THRESHOLDS["mean_pearson"]
     assert res["prompt"]["top1_agree"] == len(prompt), res["prompt"]["disagreements"]
     if backend == "c":
         assert res["prompt"]["logits_nmse"] == 0.0, res["prompt"]["logits_nmse"]
-    untied = [d for d in res["greedy"]["disagreements"] if not d["tie"]]
+        assert greedy["n_steps"] == n_generate
+    untied = [d for d in greedy["disagreements"] if not d["tie"]]
     assert not untied, untied
     assert res["passed"], res["failures"]
