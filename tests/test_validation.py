@@ -229,21 +229,20 @@ GEMMA_NEAR_TIE = pytest.mark.xfail(
     ],
 )
 def test_reference_models(reference_models, name, backend):
-    """Both reference models against llama.cpp. C: the prompt's logits bit for bit, then 32 greedy steps. Numba:
-    the prompt only. It compiles each step function whole, minutes per reference-model graph on a cold cache;
-    its decode step is the same graph at T = 1 and is checked through the KV cache on the fixtures
-    (test_serving_engine) and by `alchemist validate` (README, "Validation")."""
+    """Both reference models against llama.cpp (#19's bar): every prompt position's top-1, KL and Pearson, then 32
+    greedy steps in which every disagreement is a within-noise tie; on C the prompt's logits bit for bit. Each
+    backend compiles two step functions (the all-logits prompt and the decode step)."""
     from alchemist.tokenizer import load_tokenizer
 
     path = str(reference_models[name])
     prompt = load_tokenizer(path).encode("What's causal inference? Causal inference is the study of how")
-    n_generate = 32 if backend == "c" else 0
+    n_generate = 32
     report = validate_model(
         path, [backend], prompt=prompt, n_generate=n_generate, context=128, n_threads=2, progress=None,
         numerics="ggml",
     )
     res = report["backends"][backend]
-    greedy = res.get("greedy", {"n_agree": 0, "disagreements": []})
+    greedy = res["greedy"]
     print(f"\n{name} [{backend}, ggml]: prompt {res['prompt']['top1_agree']}/{len(prompt)}, "
           f"KL {res['prompt']['mean_kl']:.3g}, Pearson {res['prompt']['mean_pearson']:.6f}, greedy "
           f"{greedy['n_agree']}/{n_generate}, disagreements {greedy['disagreements']}")
@@ -252,7 +251,7 @@ def test_reference_models(reference_models, name, backend):
     assert res["prompt"]["top1_agree"] == len(prompt), res["prompt"]["disagreements"]
     if backend == "c":
         assert res["prompt"]["logits_nmse"] == 0.0, res["prompt"]["logits_nmse"]
-        assert greedy["n_steps"] == n_generate
+    assert greedy["n_steps"] == n_generate
     untied = [d for d in greedy["disagreements"] if not d["tie"]]
     assert not untied, untied
     assert res["passed"], res["failures"]
