@@ -56,9 +56,8 @@ def _source(name: str) -> str:
 def _command(cxx: str) -> list[str]:
     """The compiler command, run in the build folder: PyTensor's own g++ flags (-march=..., -fPIC) and the kernel
     Ops' flags and libraries."""
-    from pytensor.link.c.cmodule import GCC_compiler
-
     from alchemist.kernels.op import _blas_flags, kernel_compile_args, kernel_libraries
+    from alchemist.runtime.pytensor_internals import GCC_compiler
 
     includes = [f"-I{d}" for d in _blas_flags(include_dir=True)]
     links = [f"-L{d}" for d in _blas_flags(libs_dir=True)] + [f"-l{lib}" for lib in kernel_libraries()]
@@ -101,6 +100,7 @@ def _load(cxx: str):
     from numba import types
 
     from alchemist.paths import cache_subdir
+    from alchemist.runtime.pytensor_internals import numba_external_function
 
     probe = hashlib.sha256(C_SOURCE.encode() + _ENTRY.encode()).hexdigest()[:16]
     name = f"alchemist_matmul_{probe}"
@@ -122,4 +122,4 @@ def _load(cxx: str):
     sig = types.int32(
         types.int32, types.int32, types.uintp, types.int64, types.int64, types.uintp, types.int64, types.uintp
     )
-    return types.ExternalFunction(name, sig), int(key[:12], 16)
+    return numba_external_function(name, sig), int(key[:12], 16)

@@ -113,15 +113,16 @@ def register_numba():
     global _registered
     if _registered:
         return
-    from numba.np.ufunc.parallel import _launch_threads
-    from pytensor.link.numba.dispatch import basic as numba_basic
-    from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
-
     from alchemist.kernels.op import QuantizedExpertMatmul
+    from alchemist.runtime.pytensor_internals import (
+        numba_launch_threads,
+        numba_njit,
+        register_funcify_default_op_cache_key,
+    )
 
     @register_funcify_default_op_cache_key(QuantizedExpertMatmul)
     def numba_funcify_QuantizedExpertMatmul(op, node=None, **kwargs):
-        _launch_threads()  # see numba_kernels.register_numba
+        numba_launch_threads()  # see numba_kernels.register_numba
         kind, n_expert, n_out, n_in, row_bytes = KINDS[op.ggml_type], op.n_expert, op.n_out, op.n_in, op.row_bytes
         round_rows, act, ggml = (
             activations.round_rows_numba(),
@@ -129,7 +130,7 @@ def register_numba():
             op.numerics == "ggml",
         )
 
-        @numba_basic.numba_njit
+        @numba_njit
         def quantized_expert_matmul(x, w, ids):
             if w.shape[0] != n_expert or w.shape[1] != n_out or w.shape[2] != row_bytes or x.shape[-1] != n_in:
                 raise ValueError("QuantizedExpertMatmul: x or w does not have the shape the Op was built for")

@@ -570,19 +570,19 @@ def register_numba():
     global _registered
     if _registered:
         return
-    from pytensor.link.numba.dispatch import basic as numba_basic
-    from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
-
-    from numba.np.ufunc.parallel import _launch_threads
-
     from alchemist.kernels.native import matmul_kernel
     from alchemist.kernels.op import QuantizedEmbedding, QuantizedMatmul
+    from alchemist.runtime.pytensor_internals import (
+        numba_launch_threads,
+        numba_njit,
+        register_funcify_default_op_cache_key,
+    )
 
     @register_funcify_default_op_cache_key(QuantizedEmbedding)
     def numba_funcify_QuantizedEmbedding(op, node=None, **kwargs):
         kind, n_rows, n_in, row_bytes = KINDS[op.ggml_type], op.n_rows, op.n_in, op.row_bytes
 
-        @numba_basic.numba_njit
+        @numba_njit
         def quantized_embedding(w, idx):
             if w.shape[0] != n_rows or w.shape[1] != row_bytes:
                 raise ValueError("QuantizedEmbedding: w does not have the shape the Op was built for")
@@ -600,7 +600,7 @@ def register_numba():
             c_matmul, c_version = native
             type_index, use_ggml = KINDS[op.ggml_type], int(ggml)
 
-            @numba_basic.numba_njit
+            @numba_njit
             def quantized_matmul_c(x, w):
                 if x.shape[1] != n_in or w.shape[0] != n_out or w.shape[1] != row_bytes:
                     raise ValueError("QuantizedMatmul: x or w does not have the shape the Op was built for")
@@ -615,11 +615,11 @@ def register_numba():
 
             return quantized_matmul_c, _SOURCE_VERSION ^ c_version
 
-        _launch_threads()
+        numba_launch_threads()
         driver = DRIVERS[op.ggml_type]
         round_rows, kind = activations.round_rows_numba(), activations.activation_kind(op.ggml_type)
 
-        @numba_basic.numba_njit
+        @numba_njit
         def quantized_matmul(x, w):
             if x.shape[1] != n_in or w.shape[0] != n_out or w.shape[1] != row_bytes:
                 raise ValueError("QuantizedMatmul: x or w does not have the shape the Op was built for")

@@ -32,9 +32,9 @@ _C_API_VERSION = 2  # bump when the c_code glue changes (its source is hashed to
 def _openmp_flags() -> tuple[str, ...]:
     """-fopenmp when the C++ compiler accepts it (PyTensor's own probe), else nothing (single thread)."""
     try:
-        from pytensor.link.c.cmodule import GCC_compiler
+        from alchemist.runtime import pytensor_internals
 
-        if GCC_compiler.try_flags(["-fopenmp"]):
+        if pytensor_internals.GCC_compiler.try_flags(["-fopenmp"]):
             return ("-fopenmp",)
     except Exception:  # noqa: BLE001 - no compiler, or an unusual one: run single-threaded
         pass
@@ -50,11 +50,11 @@ def _have_blas() -> bool:
 def _blas_flags(**which) -> list[str]:
     if not _have_blas():
         return []
-    from pytensor.tensor.blas._core import ldflags
+    from alchemist.runtime.pytensor_internals import blas_ldflags
 
     if which:
-        return ldflags(libs=False, **which)
-    return ldflags()
+        return blas_ldflags(libs=False, **which)
+    return blas_ldflags()
 
 
 # The kernels' C build settings, shared by the kernel Ops and the Numba backend's library (kernels/native.py).
@@ -62,7 +62,7 @@ def _blas_flags(**which) -> list[str]:
 def kernel_source() -> str:
     if not _have_blas():
         return C_SOURCE
-    from pytensor.tensor.blas.c_code.blas_headers import blas_header_text
+    from alchemist.runtime.pytensor_internals import blas_header_text
 
     return blas_header_text() + "\n#define ALCHEMIST_HAVE_BLAS 1\n" + C_SOURCE
 
@@ -508,7 +508,7 @@ def _c_version() -> tuple[int, ...]:
         glue = ""
     blas = ""
     if _have_blas():
-        from pytensor.tensor.blas.c_code.blas_headers import blas_header_version
+        from alchemist.runtime.pytensor_internals import blas_header_version
 
         blas = f"blas{blas_header_version()}"
     digest = hashlib.sha256((C_SOURCE + glue + blas).encode()).hexdigest()

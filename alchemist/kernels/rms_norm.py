@@ -177,8 +177,7 @@ def register_numba() -> None:
     """Numba runs the loops of `_rms_rows` (called from kernels.register_numba; idempotent)."""
     if _numba_registered:
         return
-    from pytensor.link.numba.dispatch import basic as numba_basic
-    from pytensor.link.numba.dispatch.basic import register_funcify_default_op_cache_key
+    from alchemist.runtime.pytensor_internals import numba_njit, register_funcify_default_op_cache_key
 
     @register_funcify_default_op_cache_key(RmsNormGgml)
     def numba_funcify_RmsNormGgml(op, node=None, **kwargs):
@@ -186,7 +185,7 @@ def register_numba() -> None:
 
         if op.weighted:
 
-            @numba_basic.numba_njit
+            @numba_njit
             def rms_norm_ggml(x, w):
                 n = x.shape[-1]
                 if w.shape[0] != n:
@@ -196,7 +195,7 @@ def register_numba() -> None:
 
         else:
 
-            @numba_basic.numba_njit
+            @numba_njit
             def rms_norm_ggml(x):
                 n = x.shape[-1]
                 flat = np.ascontiguousarray(x).reshape((-1, n))

@@ -70,9 +70,9 @@ def restore_gcc_march_flags() -> None:
     import shutil
 
     import pytensor
-    from pytensor.link.c.cmodule import GCC_compiler
 
     from alchemist.paths import cache_subdir, remember
+    from alchemist.runtime.pytensor_internals import GCC_compiler
 
     if GCC_compiler.march_flags is not None or not pytensor.config.cxx:
         return

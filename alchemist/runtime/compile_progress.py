@@ -15,11 +15,14 @@ CLinker.compile_cmodule (each g++ build). Outside `tracking` they only check a t
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
+
+from alchemist.runtime import pytensor_internals
 
 
 @dataclass
@@ -84,14 +87,13 @@ def _signature(node):
 def install() -> None:
     """Wrap the four PyTensor entry points once per process (after alchemist.runtime.fast_link.enable())."""
     global _installed
-    if _installed:
+    if _installed or not pytensor_internals.tested():  # another PyTensor: no progress bar, its own paths
         return
-    from pytensor.compile.maker import FunctionMaker
-    from pytensor.link.c.basic import CLinker
-    from pytensor.link.c.op import COp
+    from alchemist.runtime.pytensor_internals import CLinker, COp, FunctionMaker
 
     prepare_fgraph = FunctionMaker.prepare_fgraph
 
+    @functools.wraps(prepare_fgraph)
     def prepare(*args, **kwargs):
         tracker = _active()
         if tracker is not None:
@@ -102,6 +104,7 @@ def install() -> None:
 
     create = FunctionMaker.create
 
+    @functools.wraps(create)
     def create_wrapper(self, *args, **kwargs):
         tracker = _active()
         if tracker is not None:
@@ -121,6 +124,7 @@ def install() -> None:
 
     make_c_thunk = COp.make_c_thunk
 
+    @functools.wraps(make_c_thunk)
     def make_c_thunk_wrapper(self, node, *args, **kwargs):
         tracker = _active()
         if tracker is None:
@@ -141,6 +145,7 @@ def install() -> None:
 
     compile_cmodule = CLinker.compile_cmodule
 
+    @functools.wraps(compile_cmodule)
     def compile_cmodule_wrapper(self, *args, **kwargs):
         module = compile_cmodule(self, *args, **kwargs)
         tracker = _active()

@@ -20,7 +20,7 @@ from types import ModuleType
 import numpy as np
 
 from alchemist.errors import AlchemistError
-from alchemist.runtime import compile_progress, fast_link, graph_cache, parallel_build
+from alchemist.runtime import compile_progress, fast_link, graph_cache, parallel_build, pytensor_internals
 from alchemist.runtime.backends import configure_pytensor, get_mode, restore_gcc_march_flags, static_shapes
 
 configure_pytensor()
@@ -107,9 +107,7 @@ def rewrite_step(inputs, outputs, updates, mode):
     rewritten graph (its create() links it). On the C backend the graph's missing C modules start building with
     g++ in the background right away (alchemist.runtime.parallel_build), so another step can be rewritten
     meanwhile."""
-    from pytensor.compile.rebuild import construct_function_ins_and_outs
-
-    ins, outs = construct_function_ins_and_outs(inputs, outputs, updates=updates)
+    ins, outs = pytensor_internals.construct_function_ins_and_outs(inputs, outputs, updates=updates)
     maker = mode.function_maker(ins, outs, mode, accept_inplace=True, on_unused_input="ignore")
     maker.alchemist_prebuilt = parallel_build.prebuild(maker.fgraph) if _links_c_thunks(mode) else []
     return maker
@@ -117,9 +115,7 @@ def rewrite_step(inputs, outputs, updates, mode):
 
 def _links_c_thunks(mode) -> bool:
     """True for a mode whose linker builds C thunks (the C backend's CVM), not Numba's, JAX's or MLX's."""
-    from pytensor.link.vm import VMLinker
-
-    return isinstance(mode.linker, VMLinker) and mode.linker.c_thunks is not False
+    return isinstance(mode.linker, pytensor_internals.VMLinker) and mode.linker.c_thunks is not False
 
 
 def link_step(maker, cache_key: str | None):

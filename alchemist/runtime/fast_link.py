@@ -26,12 +26,15 @@ Anything else takes PyTensor's own path. Set ALCHEMIST_FAST_LINK=0 to turn it of
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import importlib.util
 import os
 import sys
 import warnings
 from contextlib import contextmanager
+
+from alchemist.runtime import pytensor_internals
 
 _enabled = False
 _modules: dict = {}
@@ -135,15 +138,20 @@ def _signature(linker):
 
 
 def enable() -> None:
-    """Install the wrapper once per process (a no-op when ALCHEMIST_FAST_LINK=0)."""
+    """Install the wrapper once per process (a no-op when ALCHEMIST_FAST_LINK=0, or under a PyTensor other than
+    the one its internals were tested with: alchemist.runtime.pytensor_internals)."""
     global _enabled
     if _enabled or os.environ.get("ALCHEMIST_FAST_LINK", "1") in ("0", "false", "no", "off"):
         return
+    if not pytensor_internals.tested():
+        return
     from pytensor.graph.basic import Constant
-    from pytensor.link.c.basic import CLinker
+
+    from alchemist.runtime.pytensor_internals import CLinker
 
     original = CLinker.cthunk_factory
 
+    @functools.wraps(original)
     def cthunk_factory(self, error_storage, in_storage, out_storage, storage_map=None, cache=None):
         try:
             sig = _signature(self)
@@ -180,10 +188,9 @@ def enable() -> None:
 
 
 def _wrap_make_c_thunk() -> None:
-    from pytensor.link.c.basic import _CThunk
-    from pytensor.link.c.op import COp
+    from alchemist.runtime.pytensor_internals import COp, CThunk
 
-    class _NodeThunk(_CThunk):
+    class _NodeThunk(CThunk):
         """A one-node C thunk: whatever part of the struct fails (extracting an input, the op's code), the
         failing task is this node (PyTensor would build the node's CLinker task lists just to say so)."""
 
@@ -192,6 +199,7 @@ def _wrap_make_c_thunk() -> None:
 
     original = COp.make_c_thunk
 
+    @functools.wraps(original)
     def make_c_thunk(self, node, storage_map, compute_map, no_recycling):
         try:
             sig, params_storage = _node_signature(node, no_recycling) or (None, None)

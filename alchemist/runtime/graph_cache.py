@@ -250,8 +250,9 @@ def load(key: str, shared: dict, mode):
     A missing entry is a miss; an unreadable or mismatching one is a miss with a warning (it is then
     overwritten by the recompiled function).
     """
-    from pytensor.compile.maker import FunctionMaker
     from pytensor.graph.fg import FunctionGraph
+
+    from alchemist.runtime.pytensor_internals import FunctionMaker
 
     try:
         path = _path(key)

@@ -18,12 +18,15 @@ ALCHEMIST_COMPILE_JOBS sets `jobs` (default: the number of CPUs; 1 turns the pre
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from alchemist.runtime import pytensor_internals
 
 _prebuilt: dict[str, Future] = {}  # sha256 of a module's source -> future of (directory, .so file name)
 _prebuilt_lock = threading.Lock()
@@ -64,14 +67,12 @@ def prebuild(fgraph, jobs: int | None = None) -> list[str]:
     """Start g++ in the background for every distinct C node of the rewritten `fgraph` whose module the compiledir
     lacks, in toposort order (the order linking needs them); returns their digests (for discard_unused)."""
     jobs = default_jobs() if jobs is None else int(jobs)
-    if jobs <= 1:
+    if jobs <= 1 or not install():
         return []
-    install()
     from pytensor import config
     from pytensor.graph.fg import FunctionGraph
-    from pytensor.link.c.basic import CLinker, get_module_cache
-    from pytensor.link.c.cmodule import get_module_hash
-    from pytensor.link.c.op import COp
+
+    from alchemist.runtime.pytensor_internals import CLinker, COp, get_module_cache, get_module_hash
 
     if not config.cxx:
         return []
@@ -125,7 +126,7 @@ def prebuild(fgraph, jobs: int | None = None) -> list[str]:
 
 
 def _build(root: str, compiler, args: dict) -> tuple[str, str]:
-    from pytensor.link.c.cmodule import get_lib_extension
+    from alchemist.runtime.pytensor_internals import get_lib_extension
 
     location = tempfile.mkdtemp(dir=root)
     try:
@@ -138,7 +139,7 @@ def _build(root: str, compiler, args: dict) -> tuple[str, str]:
 
 def _take_prebuilt(linker, location: str):
     """The module PyTensor is about to compile, moved in from its finished prebuild, else None."""
-    from pytensor.link.c.cmodule import dlimport
+    from alchemist.runtime.pytensor_internals import dlimport
 
     if not _prebuilt:
         return None
@@ -162,15 +163,19 @@ def _take_prebuilt(linker, location: str):
     return dlimport(os.path.join(location, so_name))
 
 
-def install() -> None:
-    """Make CLinker.compile_cmodule take a prebuilt module when there is one (once per process)."""
+def install() -> bool:
+    """Make CLinker.compile_cmodule take a prebuilt module when there is one (once per process). False, and
+    nothing installed, under a PyTensor other than the one its internals were tested with."""
     global _installed
     if _installed:
-        return
-    from pytensor.link.c.basic import CLinker
+        return True
+    if not pytensor_internals.tested():
+        return False
+    from alchemist.runtime.pytensor_internals import CLinker
 
     compile_cmodule = CLinker.compile_cmodule
 
+    @functools.wraps(compile_cmodule)
     def compile_cmodule_wrapper(self, location=None):
         if location is not None:
             module = _take_prebuilt(self, location)
@@ -180,3 +185,4 @@ def install() -> None:
 
     CLinker.compile_cmodule = compile_cmodule_wrapper
     _installed = True
+    return True

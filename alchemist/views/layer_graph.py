@@ -137,9 +137,9 @@ def nodes_before(g: LayerGraph) -> list:
 def rewrite(g: LayerGraph):
     """The FunctionGraph after the backend mode's rewrites (as pytensor.function prepares it, without linking)."""
     from pytensor.compile.io import In, Out
-    from pytensor.compile.maker import FunctionMaker
 
     from alchemist.runtime.backends import get_mode
+    from alchemist.runtime.pytensor_internals import FunctionMaker
 
     mode = get_mode(g.backend)
     # the caches are mutable: in the Engine they are shared variables updated in place by the step
