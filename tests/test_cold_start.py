@@ -169,3 +169,36 @@ def test_parallel_prebuild_links_modules_pytensor_then_finds_in_its_compiledir(t
     assert not any(Path(tmp_path).glob("alchemist-prebuild/*"))  # every prebuild moved into the compiledir
     warm = _run_prebuild(tmp_path, jobs=2)
     assert warm["ok"] and warm["gxx"] == 0 and warm["stats"]["prebuilt"] == 0
+
+
+def test_load_llm_pauses_the_garbage_collector_and_restores_it():
+    """load_llm runs with the cyclic GC paused (loading makes many long-lived objects and little garbage), and
+    leaves it as it found it, also when loading fails."""
+    import gc
+
+    import pytest
+
+    from alchemist.runtime import api
+
+    seen = []
+
+    @api._gc_paused
+    def load(fail=False):
+        seen.append(gc.isenabled())
+        if fail:
+            raise ValueError("bad file")
+        return "model"
+
+    assert gc.isenabled()
+    assert load() == "model" and gc.isenabled()
+    with pytest.raises(ValueError, match="bad file"):
+        load(fail=True)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        load()
+        assert not gc.isenabled()  # a caller's choice to keep it off is kept
+    finally:
+        gc.enable()
+    assert seen == [False, False, False]
+    assert api.load_llm.__wrapped__.__name__ == "load_llm"  # the public function is the paused one

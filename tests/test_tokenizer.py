@@ -771,8 +771,17 @@ def test_tokenizer_is_cached_by_file_identity(tmp_path, monkeypatch):
     assert cached is not built and cached.encode(text) == built.encode(text) and cached.vocab.path == built.vocab.path
     # pickled compactly (ids for the merges, no token -> id map, no ranks): rebuilt equal on loading
     assert cached._t2i is cached.vocab.token_to_id and cached._tokens is cached.vocab.tokens
+    # the merge pairs are made only when read (the BPE port looks ranks up by token ids)
+    assert "merges" not in cached.vocab.__dict__ and "merge_ids" in cached.vocab.__dict__
+    pairs = list(built._ranks) + [("no-such-token", "x"), ("x", "no-such-token"), ("Ġ", "Ġ")]
+    assert [cached._ranks.get(p) for p in pairs] == [built._ranks.get(p) for p in pairs]
+    assert len(cached._ranks) == len(built._ranks) and built._good_merges == built.vocab.merges
+    assert pickle.loads(pickle.dumps(cached.vocab)).merges == built.vocab.merges  # re-pickled still lazy
     assert cached.vocab.token_to_id == built.vocab.token_to_id and cached.vocab.merges == built.vocab.merges
-    assert cached._ranks == built._ranks and cached._good_merges == built._good_merges
+    assert "merge_ids" not in cached.vocab.__dict__ and cached._good_merges is None
+    with pytest.raises(AttributeError, match="no_such_field"):
+        cached.vocab.no_such_field  # noqa: B018
+    assert cached.build_fast_path()._hf is not None and cached.encode(text * 9000) == built.encode(text * 9000)
     odd = built.vocab.merges + [("no-such-token", "x")]  # a merge piece that is not a token: kept as text
     built.vocab.merges = odd
     assert pickle.loads(pickle.dumps(built.vocab)).merges == odd

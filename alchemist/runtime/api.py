@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 import resource
 import time
@@ -146,6 +148,27 @@ def _load_tokenizer(path: str, facts=None):
     return load_tokenizer(path, facts)
 
 
+def _gc_paused(fn):
+    """Run `fn` with Python's cyclic garbage collector paused (restored after, as it was).
+
+    Loading builds hundreds of thousands of long-lived objects (the tokenizer's vocabulary, the step graph and
+    its thunks) and almost no garbage, so every collection during it is wasted work: about 0.1 s of a new
+    process's time to its first token."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused
+
+
+@_gc_paused
 def load_llm(
     path: str | os.PathLike,
     backend: str = "c",

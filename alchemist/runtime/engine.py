@@ -29,6 +29,7 @@ import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402
 
 restore_gcc_march_flags()
+pytensor_internals.skip_setuptools_import()
 fast_link.enable()
 parallel_build.install()
 # last: its wrappers go around fast_link's and parallel_build's (a prebuilt module counts as compiled)

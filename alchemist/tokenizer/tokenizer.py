@@ -125,10 +125,7 @@ class Tokenizer:
         self.__dict__.update(state)
         self._t2i = self.vocab.token_to_id
         if "_ranks" in state and state["_ranks"] is None:  # a BPE tokenizer (see __getstate__)
-            merges = self.vocab.merges
-            self._ranks = dict(zip(merges, range(len(merges))))
-            if self._good_merges is None:
-                self._good_merges = merges
+            self._ranks = self.vocab.merge_ranks()  # _good_merges None: all of vocab.merges (_build_bpe)
 
     # ------------------------------------------------------------------ construction
     def build_fast_path(self) -> "Tokenizer":
@@ -199,8 +196,9 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import models
 
+        merges = self.vocab.merges if self._good_merges is None else self._good_merges
         hf = HFTokenizer(
-            models.BPE(self._t2i, self._good_merges, byte_fallback=False, ignore_merges=self.vocab.ignore_merges)
+            models.BPE(self._t2i, merges, byte_fallback=False, ignore_merges=self.vocab.ignore_merges)
         )
         hf.pre_tokenizer = self._hf_pre
         self._hf = hf
