@@ -96,17 +96,19 @@ def test_ggml_numerics_reproduce_llamacpp(q4k_file, kernels):
     assert results["exact"]["prompt"]["logits_nmse"] >= 1e-6, results["exact"]["prompt"]
 
 
+@pytest.mark.parametrize("backend", ["c", "numba"])
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])  # SiLU / GELU, Q4_K and Q6_K weights
-def test_ggml_numerics_on_c_are_llamacpps_to_the_bit(fixture_files, arch):
-    """On C, numerics="ggml" computes every op as llama.cpp's CPU backend does: the 14-token prompt (padded to a
-    bucket of 32: ggml's tiled K-quant order, which llama.cpp takes from 8 rows on) gives llama.cpp's logits bit
-    for bit, and so do the decode steps after it (T = 1: ggml's vec_dot order)."""
+def test_ggml_numerics_are_llamacpps_to_the_bit(fixture_files, arch, backend):
+    """On C and Numba, numerics="ggml" computes every op as llama.cpp's CPU backend does: the 14-token prompt (padded
+    to a bucket of 32: ggml's tiled K-quant order, which llama.cpp takes from 8 rows on) gives llama.cpp's logits bit
+    for bit, and so do the decode steps after it (T = 1: ggml's vec_dot order). Numba calls the C backend's code for
+    the products, RoPE, attention and SiLU (alchemist.kernels.native) and runs ggml's RMS norm loops itself."""
     from alchemist.harness import LlamaCppOracle
     from alchemist.harness.validate import load_for_validation
 
     path = str(fixture_files(arch, "Q4_K"))
     loaded = load_for_validation(path, numerics="ggml")
-    engine = Engine(loaded.module, loaded.weights_for("c", True), "c", CONTEXT)
+    engine = Engine(loaded.module, loaded.weights_for(backend, True), backend, CONTEXT)
     with LlamaCppOracle(path, n_ctx=CONTEXT, n_threads=1) as oracle:
         assert np.array_equal(engine.run(PROMPT, 0, all_logits=True), oracle.logits(PROMPT))
         continuation = oracle.greedy(PROMPT, 3)
@@ -131,9 +133,9 @@ def test_a_shared_engine_must_compute_with_the_files_numerics(fixture_files):
 def test_ggml_rms_norm_is_llamacpps_bit_for_bit(fixture_files, backend):
     """gemma3 scales its embeddings just before the first norm: written as graph ops, PyTensor folds the scale into
     the norm's division and about half the normalized values differ from llama.cpp's in the last bit (each one
-    may flip a Q8 rounding in the next matmul). The ggml copy's norm is ggml's own loops. On C, whose integer
-    kernels sum as ggml does, the Q and K projections that follow (then normed per head) are exact too; Numba
-    multiplies the rounded activations in float32, in another order."""
+    may flip a Q8 rounding in the next matmul). The ggml copy's norm is ggml's own loops. The integer kernels (C's,
+    which Numba calls) sum as ggml does, so the Q and K projections that follow (then normed per head) are exact
+    too."""
     pytest.importorskip("llama_cpp")
     from alchemist.harness import LlamaCppOracle
     from alchemist.harness.validate import load_for_validation, tap_values
@@ -141,7 +143,7 @@ def test_ggml_rms_norm_is_llamacpps_bit_for_bit(fixture_files, backend):
     path = str(fixture_files("gemma3", "Q8_0"))
     loaded = load_for_validation(path, numerics="ggml")
     ours = tap_values(Engine(loaded.module, loaded.weights_for(backend), backend, CONTEXT), PROMPT)
-    names = ["attn_norm-0", "Qcur_normed-0", "Kcur_normed-0"] if backend == "c" else ["attn_norm-0"]
+    names = ["attn_norm-0", "Qcur_normed-0", "Kcur_normed-0"]
     with LlamaCppOracle(path, n_ctx=CONTEXT, n_threads=1) as oracle:
         theirs = oracle.intermediates(PROMPT, names)
     for name in names:

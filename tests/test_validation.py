@@ -205,25 +205,17 @@ def test_cli_reports_with_charts(fixture_files, tmp_path, capsys, png_size):
 # oracle prefers its token over ours by less than the largest |Δ logit| between the two at that step). It
 # replaces the greedy count (31/32) that qwen2.5-coder missed with exact numerics (29/32, at near-ties that
 # llama.cpp's activation rounding decides: `alchemist validate --numerics exact` attributes them).
-# On C every op is llama.cpp's bit for bit (ggml's vec_dot / tiled K-quant orders, its RMS norm, RoPE, attention,
-# GELU table and SiLU): the prompt's logits are llama.cpp's exactly (logits NMSE 0), asserted below.
-# Numba's quantized products are the C kernels' (alchemist.kernels.native: bit-identical), but its RoPE and
-# attention are PyTensor ops in float32 in other orders, and gemma-3-270m amplifies each last-bit difference
-# layer after layer: at the last prompt position llama.cpp's own top-2 logits are 0.094 apart, and with Numba's
-# own float32 products (logits NMSE 7e-4, differences up to 0.80) which side Numba landed on was decided by
-# that noise (measured both ways). With the C kernels it passes here (15/15, KL 1.7e-3); the mark stays until
-# RoPE and attention are ggml's on Numba too. Not strict; raises=AssertionError excuses only the assertions below.
-GEMMA_NEAR_TIE = pytest.mark.xfail(
-    strict=False, raises=AssertionError, reason="gemma: one prompt position is a near-tie (gap 0.094, noise 0.8)"
-)
-
-
+# On C and Numba every op is llama.cpp's bit for bit (ggml's vec_dot / tiled K-quant orders, its RMS norm, RoPE,
+# attention, GELU table and SiLU; Numba calls the same C code: alchemist.kernels.native, numba_ops): the prompt's
+# logits are llama.cpp's exactly (logits NMSE 0), asserted below. (Before Numba's RoPE and attention were ggml's,
+# gemma-3-270m on Numba was an expected failure: at the last prompt position llama.cpp's own top-2 logits are 0.094
+# apart, and float32 RoPE/attention in other orders, amplified layer after layer, decided which side it landed.)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, backend",
     [
         ("gemma-3-270m", "c"),
-        pytest.param("gemma-3-270m", "numba", marks=GEMMA_NEAR_TIE),
+        ("gemma-3-270m", "numba"),
         ("qwen2.5-coder-0.5b", "c"),
         ("qwen2.5-coder-0.5b", "numba"),
     ],
@@ -231,7 +223,8 @@ GEMMA_NEAR_TIE = pytest.mark.xfail(
 def test_reference_models(reference_models, name, backend):
     """Both reference models against llama.cpp (#19's bar): every prompt position's top-1, KL and Pearson, then 32
     greedy steps in which every disagreement is a within-noise tie; on C the prompt's logits bit for bit. Each
-    backend compiles two step functions (the all-logits prompt and the decode step)."""
+    backend compiles two step functions (the all-logits prompt and the decode step); the prompt's logits are llama.cpp's
+    bit for bit."""
     from alchemist.tokenizer import load_tokenizer
 
     path = str(reference_models[name])
@@ -249,8 +242,7 @@ def test_reference_models(reference_models, name, backend):
     assert report["numerics"] == "ggml" and res["numerics"] == "ggml"
     assert res["prompt"]["mean_kl"] <= THRESHOLDS["mean_kl"] and res["prompt"]["mean_pearson"] >= THRESHOLDS["mean_pearson"]
     assert res["prompt"]["top1_agree"] == len(prompt), res["prompt"]["disagreements"]
-    if backend == "c":
-        assert res["prompt"]["logits_nmse"] == 0.0, res["prompt"]["logits_nmse"]
+    assert res["prompt"]["logits_nmse"] == 0.0, res["prompt"]["logits_nmse"]
     assert greedy["n_steps"] == n_generate
     untied = [d for d in greedy["disagreements"] if not d["tie"]]
     assert not untied, untied

@@ -131,11 +131,13 @@ def register_numba() -> None:
     """Register the Numba kernels now (otherwise done on the first compile in a mode with the "numba" tag)."""
     from alchemist.kernels.numba_experts import register_numba as _register_experts
     from alchemist.kernels.numba_kernels import register_numba as _register
+    from alchemist.kernels.numba_ops import register_numba as _register_ops
     from alchemist.kernels.rms_norm import register_numba as _register_rms_norm
 
     _register()
     _register_experts()
     _register_rms_norm()
+    _register_ops()
 
 
 def _install_lazy_numba_registration() -> None:
@@ -157,9 +159,13 @@ def _install_lazy_numba_registration() -> None:
 
     class _RegisterNumbaKernels(GraphRewriter):
         def apply(self, fgraph):
+            from alchemist.kernels.attention import CausalAttentionGgml
             from alchemist.kernels.rms_norm import RmsNormGgml
+            from alchemist.kernels.rope import RopeCacheGgml, RopeGgml
+            from alchemist.kernels.silu import SiluGgml
 
-            kernel_ops = (QuantizedMatmul, QuantizedEmbedding, QuantizedExpertMatmul, RmsNormGgml)
+            kernel_ops = (QuantizedMatmul, QuantizedEmbedding, QuantizedExpertMatmul, RmsNormGgml, CausalAttentionGgml,
+                          RopeCacheGgml, RopeGgml, SiluGgml)  # fmt: skip
             if any(isinstance(node.op, kernel_ops) for node in fgraph.apply_nodes):
                 register_numba()
 

@@ -24,9 +24,10 @@ and add exactly nothing, so the lanes of cell s = cache row s are all that matte
 keys only. The library was compiled for AVX2 + FMA (this machine; `objdump -d libggml-cpu.so`); a build for
 AVX-512 would take other lanes. The C code writes every fma as fmaf() and is compiled with -ffp-contract=off.
 
-C runs the loops (OpenMP over query rows); `perform` and the tests use the numpy transcription
-`attention_ggml_reference`; Numba, JAX and MLX get the generated module's float32 formula as PyTensor ops
-(`expand_causal_attention_ggml`, tagged "numba", "jax", "mlx"), which equals this up to rounding.
+C runs the loops (OpenMP over query rows), and Numba calls the same C code (kernels.numba_ops); `perform` and
+the tests use the numpy transcription `attention_ggml_reference`; JAX and MLX get the generated module's float32
+formula as PyTensor ops (`expand_causal_attention_ggml`, tagged "jax" and "mlx"; on Numba too when the ops library
+cannot be built), which equals this up to rounding.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.link.c.op import COp
 
 from alchemist.kernels.expansion import register_expansion
+from alchemist.kernels.native import register_numba_expansion
 
 V_EXPF_C = r"""
 static inline uint32_t fbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
@@ -630,4 +632,6 @@ def expand_causal_attention_ggml(fgraph, node):
     return [pt.specify_shape(out, node.outputs[0].type.shape) if None not in node.outputs[0].type.shape else out]
 
 
-register_expansion("alchemist_expand_causal_attention_ggml", expand_causal_attention_ggml)
+register_expansion("alchemist_expand_causal_attention_ggml", expand_causal_attention_ggml, backends=("jax", "mlx"))
+# on Numba only without the ops library (otherwise Numba calls the C code: kernels.numba_ops)
+register_numba_expansion("alchemist_expand_causal_attention_ggml_numba", expand_causal_attention_ggml)

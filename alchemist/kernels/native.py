@@ -9,6 +9,11 @@ external function, bound by its symbol name, so Numba code calling it can still 
 
 None when there is no C++ compiler, or the build fails (with a warning): Numba then uses its own kernels
 (alchemist.kernels.numba_kernels). ALCHEMIST_NUMBA_NATIVE=0 asks for those too.
+
+`ops_kernels()` does the same for the other ops numerics="ggml" computes in C, ggml's RoPE (cache and rotation),
+causal attention and SiLU (alchemist.kernels.rope, attention, silu): one more library, so that Numba computes
+them bit for bit as the C backend (and llama.cpp) do. Without it, Numba gets their float32 formulas as PyTensor
+ops (the rewrite registered by `register_numba_expansion`), equal up to rounding.
 """
 
 from __future__ import annotations
@@ -95,18 +100,11 @@ def _built():
         return None
 
 
-def _load(cxx: str):
-    from llvmlite import binding
-    from numba import types
-
+def _library(source: str, command: list[str], version: str) -> tuple[Path, str]:
+    """(path, key) of `source` built by `command` (run in a folder holding it as k.cpp, writing k.so), kept in
+    alchemist's cache under a key made of the source, the compiler's version and the command."""
     from alchemist.paths import cache_subdir
-    from alchemist.runtime.pytensor_internals import numba_external_function
 
-    probe = hashlib.sha256(C_SOURCE.encode() + _ENTRY.encode()).hexdigest()[:16]
-    name = f"alchemist_matmul_{probe}"
-    source = _source(name)
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    command = _command(cxx)
     key = hashlib.sha256("\0".join([source, version, *command]).encode()).hexdigest()
     library = cache_subdir("native") / f"{key}.so"
     if not library.is_file():
@@ -118,8 +116,123 @@ def _load(cxx: str):
             staged = library.with_suffix(f".{os.getpid()}.tmp")
             shutil.copyfile(Path(tmp) / "k.so", staged)
             os.replace(staged, library)
+    return library, key
+
+
+def _load(cxx: str):
+    from llvmlite import binding
+    from numba import types
+
+    from alchemist.runtime.pytensor_internals import numba_external_function
+
+    probe = hashlib.sha256(C_SOURCE.encode() + _ENTRY.encode()).hexdigest()[:16]
+    name = f"alchemist_matmul_{probe}"
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    library, key = _library(_source(name), _command(cxx), version)
     binding.load_library_permanently(str(library))
     sig = types.int32(
         types.int32, types.int32, types.uintp, types.int64, types.int64, types.uintp, types.int64, types.uintp
     )
     return numba_external_function(name, sig), int(key[:12], 16)
+
+
+# -- RoPE, attention and SiLU as ggml computes them (the C backend's Ops' own C code) ---------------------------
+_OPS_ENTRIES = """
+#define ALCHEMIST_EXPORT extern "C" __attribute__((visibility("default")))
+ALCHEMIST_EXPORT void {p}_rope_cache(uintptr_t pos, long long n_pos, uintptr_t ff, long long ff_stride, int n_dims,
+                                      float freq_base, float freq_scale, float ext_factor, float attn_factor,
+                                      float beta_fast, float beta_slow, int n_ctx_orig, uintptr_t out) {{
+    alchemist_rope::cache((const int64_t *)pos, n_pos, (const float *)ff, ff_stride, n_dims, freq_base, freq_scale,
+                          ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig, (float *)out);
+}}
+ALCHEMIST_EXPORT void {p}_rope(uintptr_t x, uintptr_t cache, uintptr_t y, long long n_pos, long long n_head,
+                                long long head_dim, int n_dims, int neox) {{
+    alchemist_rope::rotate((const float *)x, (const float *)cache, (float *)y, n_pos, n_head, head_dim, n_dims, neox);
+}}
+ALCHEMIST_EXPORT int {p}_attention(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t qpos, uintptr_t kpos,
+                                    uintptr_t sinks, uintptr_t out, long long B, long long T, long long S,
+                                    long long H, long long KVH, long long D, long long window, float scale,
+                                    float softcap) {{
+    return alchemist_attn::attend((const float *)q, (const float *)k, (const float *)v, (const int64_t *)qpos,
+                                  (const int64_t *)kpos, (const float *)sinks, (float *)out, B, T, S, H, KVH, D,
+                                  window, scale, softcap);
+}}
+ALCHEMIST_EXPORT void {p}_silu(uintptr_t x, uintptr_t y, long long rows, long long n) {{
+    alchemist_silu::apply((const float *)x, (float *)y, rows, n);
+}}
+"""
+
+
+def _ops_source() -> str:
+    from alchemist.kernels.attention import ATTENTION_C
+    from alchemist.kernels.rope import ROPE_C
+    from alchemist.kernels.silu import SILU_C
+
+    return "\n".join(["#include <stdint.h>", ROPE_C, ATTENTION_C, SILU_C])
+
+
+def ops_kernels():
+    """The ops library's entry points as Numba external functions (a dict: "rope_cache", "rope", "attention",
+    "silu"; each Op's C code, as alchemist.kernels.rope, attention and silu build it for the C backend) and an
+    integer digest of the library, or None: no C++ compiler, ALCHEMIST_NUMBA_NATIVE=0, or a failed build (with
+    a warning)."""
+    if os.environ.get("ALCHEMIST_NUMBA_NATIVE", "1") == "0":
+        return None
+    return _ops_built()
+
+
+@lru_cache(maxsize=1)
+def _ops_built():
+    import pytensor
+
+    cxx = pytensor.config.cxx
+    if not cxx:
+        return None
+    try:
+        return _ops_load(cxx)
+    except Exception as exc:  # noqa: BLE001 - Numba then expands these Ops into PyTensor ops
+        warnings.warn(f"Numba computes RoPE, attention and SiLU as PyTensor ops: their C library did not build ({exc})")
+        return None
+
+
+def _ops_load(cxx: str):
+    from llvmlite import binding
+    from numba import types
+
+    from alchemist.kernels.op import _openmp_flags
+    from alchemist.runtime.pytensor_internals import GCC_compiler, numba_external_function
+
+    body = _ops_source()
+    prefix = f"alchemist_ops_{hashlib.sha256((body + _OPS_ENTRIES).encode()).hexdigest()[:16]}"
+    source = body + _OPS_ENTRIES.format(p=prefix)
+    # the flags the C backend builds these Ops with: PyTensor's (-march=...), OpenMP, no FMA contraction
+    flags = [*GCC_compiler.compile_args(), *_openmp_flags(), "-O3", "-ffp-contract=off", "-fno-fast-math"]
+    libs = ["-lgomp"] if _openmp_flags() else []
+    command = [cxx, "-shared", *flags, "-o", "k.so", "k.cpp", *libs]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    library, key = _library(source, command, version)
+    binding.load_library_permanently(str(library))
+    i64, f32, ptr = types.int64, types.float32, types.uintp
+    sigs = {
+        "rope_cache": types.void(ptr, i64, ptr, i64, types.int32, f32, f32, f32, f32, f32, f32, types.int32, ptr),
+        "rope": types.void(ptr, ptr, ptr, i64, i64, i64, types.int32, types.int32),
+        "attention": types.int32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32),
+        "silu": types.void(ptr, ptr, i64, i64),
+    }
+    return {name: numba_external_function(f"{prefix}_{name}", sig) for name, sig in sigs.items()}, int(key[:12], 16)
+
+
+def register_numba_expansion(name: str, rewriter) -> None:
+    """Register `rewriter` (a node rewriter expanding a C Op into PyTensor ops) for Numba, applied only when the
+    ops library is unavailable (ops_kernels() is None); with it, Numba calls the Op's C code (idempotent)."""
+    from pytensor.compile.mode import optdb
+    from pytensor.graph.rewriting.basic import in2out, node_rewriter
+
+    if name in optdb:
+        return
+
+    @node_rewriter(rewriter.tracks())
+    def expand_without_library(fgraph, node):
+        return None if ops_kernels() is not None else rewriter.transform(fgraph, node)
+
+    optdb.register(name, in2out(expand_without_library), "numba", position=0.9)

@@ -23,8 +23,9 @@ The generated modules compute the angle as p · (scale · base^(-2i/n)) with num
 precomputed product, and cos/sin in PyTensor: ~30% of the rotated values differ from llama.cpp's by ulps. The
 numerics="ggml" copies use these Ops: `RopeCacheGgml` turns positions into ggml's (T, n_dims/2, 2) cache,
 `RopeGgml` rotates (T, heads, head_dim) with it. On C both are loops with fmaf written out (compiled with
--ffp-contract=off, so the compiler's flags cannot change them). Numba, JAX and MLX get the float32 formula as
-PyTensor ops (`expand_rope_ggml`, a rewrite tagged "numba", "jax" and "mlx"): their cos/sin are not glibc's.
+-ffp-contract=off, so the compiler's flags cannot change them). Numba calls the same C code (kernels.numba_ops).
+JAX and MLX get the float32 formula as PyTensor ops (`expand_rope_ggml`, a rewrite tagged "jax" and "mlx"; on
+Numba too when the ops library cannot be built): their cos/sin are not glibc's.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.link.c.op import COp
 
 from alchemist.kernels.expansion import register_expansion
+from alchemist.kernels.native import register_numba_expansion
 
 STYLES = ("neox", "norm")
 
@@ -365,7 +367,7 @@ def rotate_numpy(x: np.ndarray, cache: np.ndarray, style: str, n_dims: int) -> n
     return y
 
 
-# -- the same RoPE as float32 PyTensor ops (Numba, JAX, MLX) ------------------------------------------------
+# -- the same RoPE as float32 PyTensor ops (JAX, MLX) -----------------------------------------------------
 def rope_cache_formula(op: RopeCacheGgml, positions, freq_factors=None):
     """ggml's cache as PyTensor ops: the running product of the angle (a cumprod), then cos/sin of the backend."""
     n_pairs = op.n_dims // 2
@@ -418,7 +420,9 @@ def expand_rope_ggml(fgraph, node):
     return [rope_formula(*node.inputs, node.op.style, node.op.n_dims)]
 
 
-register_expansion("alchemist_expand_rope_ggml", expand_rope_ggml)
+register_expansion("alchemist_expand_rope_ggml", expand_rope_ggml, backends=("jax", "mlx"))
+# on Numba only without the ops library (otherwise Numba calls the C code: kernels.numba_ops)
+register_numba_expansion("alchemist_expand_rope_ggml_numba", expand_rope_ggml)
 
 
 # -- a generated module's rope_angles() / rope() computing as ggml does ------------------------------------

@@ -7,8 +7,9 @@ Along each row (the last axis) ggml takes the elements in vectors of 8 and a sca
 
 ggml's SwiGLU multiplies that by the up projection in a separate float32 product, so silu(gate) * up as the
 generated modules write it is ggml's swiglu once silu() is this. The numerics="ggml" modules use it for their
-silu(). C runs the loops (ggml_v_expf lane by lane, shared with kernels.attention); `perform` is the numpy
-transcription; Numba, JAX and MLX get the generated module's x · sigmoid(x) (equal up to rounding).
+silu(). C runs the loops (ggml_v_expf lane by lane, shared with kernels.attention) and Numba calls them
+(kernels.numba_ops); `perform` is the numpy transcription; JAX and MLX get the generated module's x · sigmoid(x)
+(equal up to rounding).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pytensor.link.c.op import COp
 from alchemist.kernels.attention import V_EXPF_C, v_expf_reference
 from alchemist.kernels.c_same_shape import same_shape_c_code
 from alchemist.kernels.expansion import register_expansion
+from alchemist.kernels.native import register_numba_expansion
 
 SILU_C = (
     r"""
@@ -131,4 +133,6 @@ def expand_silu_ggml(fgraph, node):
     return [silu_formula(node.inputs[0])]
 
 
-register_expansion("alchemist_expand_silu_ggml", expand_silu_ggml)
+register_expansion("alchemist_expand_silu_ggml", expand_silu_ggml, backends=("jax", "mlx"))
+# on Numba only without the ops library (otherwise Numba calls the C code: kernels.numba_ops)
+register_numba_expansion("alchemist_expand_silu_ggml_numba", expand_silu_ggml)

@@ -94,6 +94,10 @@ def step_key(module_sha256: str, backend: str, mode, shared: dict, spec: dict) -
         "shared": sorted((name, str(sv.type)) for name, sv in shared.items()),
         "spec": spec,
     }
+    if backend == "numba":  # whether Numba calls the ops library or got their formulas (kernels.numba_ops)
+        from alchemist.kernels.native import ops_kernels
+
+        facts["numba_ops_library"] = ops_kernels() is not None
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
 
