@@ -1,4 +1,4 @@
-"""Numba computes ggml's RoPE, attention and SiLU with the C backend's own code (alchemist.kernels.numba_ops, the ops
+"""Numba computes ggml's RoPE, attention, SiLU and GELU with the C backend's own code (alchemist.kernels.numba_ops, the ops
 library of alchemist.kernels.native): bit for bit the C Ops' results, which tests/test_rope.py and
 test_attention_ggml.py check against ggml's loops; without the library, Numba gets their float32 formulas."""
 
@@ -16,13 +16,14 @@ import pytensor.tensor as pt  # noqa: E402
 
 from alchemist.kernels import native  # noqa: E402
 from alchemist.kernels.attention import CausalAttentionGgml  # noqa: E402
+from alchemist.kernels.gelu import GeluTable  # noqa: E402
 from alchemist.kernels.rope import RopeCacheGgml, RopeGgml, rope_cache_ggml, rope_ggml  # noqa: E402
 from alchemist.kernels.silu import SiluGgml  # noqa: E402
 from alchemist.runtime.backends import get_mode  # noqa: E402
 
 from tests.test_attention_ggml import CASES, _case, _symbols  # noqa: E402
 
-GGML_OPS = (RopeCacheGgml, RopeGgml, CausalAttentionGgml, SiluGgml)
+GGML_OPS = (RopeCacheGgml, RopeGgml, CausalAttentionGgml, SiluGgml, GeluTable)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -104,6 +105,18 @@ def test_silu_on_numba_is_the_c_code():
     _assert_bits_equal(c, numba)
 
 
+def test_gelu_on_numba_is_the_c_code():
+    """ggml's fp16 table over its whole range: both saturations (|x| >= 10), every fp16 value between, and
+    non-contiguous input."""
+    x = pt.matrix("x", dtype="float32")
+    halves = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    values = np.concatenate([halves[np.isfinite(halves)], np.float32([-10, 10, -10.5, 11, 9.999, -9.999, 0])])
+    values = np.resize(values, (len(values) // 64 + 1) * 64).reshape(-1, 64)
+    c, numba, ops = _both([x], [GeluTable()(x), GeluTable()(x.T)], [values])
+    assert GeluTable in ops
+    _assert_bits_equal(c, numba)
+
+
 def test_rope_shape_errors_on_numba():
     xv, cv = pt.tensor3("x", dtype="float32"), pt.tensor3("c", dtype="float32")
     fn = pytensor.function([xv, cv], RopeGgml("neox", 8)(xv, cv), mode=get_mode("numba"))
@@ -120,7 +133,7 @@ def test_without_the_library_numba_gets_the_formulas(monkeypatch, tmp_path):
     C code's results up to rounding, and a step graph is cached under another key."""
     monkeypatch.setenv("ALCHEMIST_NUMBA_NATIVE", "0")
     x, p = pt.tensor3("x", dtype="float32"), pt.vector("p", dtype="int64")
-    out = [SiluGgml()(rope_ggml(x, rope_cache_ggml(p, 16, 10000.0), "neox", 16))]
+    out = [GeluTable()(SiluGgml()(rope_ggml(x, rope_cache_ggml(p, 16, 10000.0), "neox", 16)))]
     args = [np.random.default_rng(1).standard_normal((4, 2, 16)).astype(np.float32), np.arange(4)]
     c, numba, ops = _both([x, p], out, args)
     assert not ops & set(GGML_OPS)

@@ -160,12 +160,13 @@ def _install_lazy_numba_registration() -> None:
     class _RegisterNumbaKernels(GraphRewriter):
         def apply(self, fgraph):
             from alchemist.kernels.attention import CausalAttentionGgml
+            from alchemist.kernels.gelu import GeluTable
             from alchemist.kernels.rms_norm import RmsNormGgml
             from alchemist.kernels.rope import RopeCacheGgml, RopeGgml
             from alchemist.kernels.silu import SiluGgml
 
             kernel_ops = (QuantizedMatmul, QuantizedEmbedding, QuantizedExpertMatmul, RmsNormGgml, CausalAttentionGgml,
-                          RopeCacheGgml, RopeGgml, SiluGgml)  # fmt: skip
+                          RopeCacheGgml, RopeGgml, SiluGgml, GeluTable)  # fmt: skip
             if any(isinstance(node.op, kernel_ops) for node in fgraph.apply_nodes):
                 register_numba()
 

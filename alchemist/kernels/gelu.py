@@ -6,8 +6,9 @@
 
 The numerics="ggml" modules use it for their gelu(): it is what llama.cpp computes, and on C a table read is
 ~10x cheaper than the float tanh of the exact path (a 128-token gemma prefill spent a fifth of its time in
-the tanh GELU). C: one loop over the elements with the table built once per process. Other backends: the
-same values as PyTensor ops (`gelu_fp16_table`, via a rewrite tagged "numba", "jax" and "mlx").
+the tanh GELU). C: one loop over the elements with the table built once per process; Numba calls the same C
+(kernels.numba_ops). JAX and MLX: the same values as PyTensor ops (`gelu_fp16_table`, via a rewrite tagged "jax"
+and "mlx"; on Numba too when the ops library cannot be built).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pytensor.link.c.op import COp
 
 from alchemist.kernels.c_same_shape import same_shape_c_code
 from alchemist.kernels.expansion import register_expansion
+from alchemist.kernels.native import register_numba_expansion
 from alchemist.kernels.graph_rounding import _fp16
 
 GELU_C = r"""
@@ -163,4 +165,6 @@ def expand_gelu_table(fgraph, node):
     return [gelu_fp16_table(node.inputs[0])]
 
 
-register_expansion("alchemist_expand_gelu_table", expand_gelu_table)
+register_expansion("alchemist_expand_gelu_table", expand_gelu_table, backends=("jax", "mlx"))
+# on Numba only without the ops library (otherwise Numba calls the C code: kernels.numba_ops)
+register_numba_expansion("alchemist_expand_gelu_table_numba", expand_gelu_table)

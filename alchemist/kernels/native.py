@@ -11,8 +11,8 @@ None when there is no C++ compiler, or the build fails (with a warning): Numba t
 (alchemist.kernels.numba_kernels). ALCHEMIST_NUMBA_NATIVE=0 asks for those too.
 
 `ops_kernels()` does the same for the other ops numerics="ggml" computes in C, ggml's RoPE (cache and rotation),
-causal attention and SiLU (alchemist.kernels.rope, attention, silu): one more library, so that Numba computes
-them bit for bit as the C backend (and llama.cpp) do. Without it, Numba gets their float32 formulas as PyTensor
+causal attention, SiLU and table GELU (alchemist.kernels.rope, attention, silu, gelu): one more library, so that
+Numba computes them bit for bit as the C backend (and llama.cpp) do. Without it, Numba gets their float32 formulas as PyTensor
 ops (the rewrite registered by `register_numba_expansion`), equal up to rounding.
 """
 
@@ -160,20 +160,26 @@ ALCHEMIST_EXPORT int {p}_attention(uintptr_t q, uintptr_t k, uintptr_t v, uintpt
 ALCHEMIST_EXPORT void {p}_silu(uintptr_t x, uintptr_t y, long long rows, long long n) {{
     alchemist_silu::apply((const float *)x, (float *)y, rows, n);
 }}
+ALCHEMIST_EXPORT void {p}_gelu(uintptr_t x, uintptr_t y, long long n) {{
+    alchemist_gelu::build();  /* the table, once per process (the C Op builds it in its module's init) */
+    alchemist_gelu::apply((const float *)x, (float *)y, n);
+}}
 """
 
 
 def _ops_source() -> str:
     from alchemist.kernels.attention import ATTENTION_C
+    from alchemist.kernels.gelu import GELU_C
     from alchemist.kernels.rope import ROPE_C
     from alchemist.kernels.silu import SILU_C
 
-    return "\n".join(["#include <stdint.h>", ROPE_C, ATTENTION_C, SILU_C])
+    return "\n".join(["#include <stdint.h>", ROPE_C, ATTENTION_C, SILU_C, GELU_C])
 
 
 def ops_kernels():
     """The ops library's entry points as Numba external functions (a dict: "rope_cache", "rope", "attention",
-    "silu"; each Op's C code, as alchemist.kernels.rope, attention and silu build it for the C backend) and an
+    "silu", "gelu"; each Op's C code, as alchemist.kernels.rope, attention, silu and gelu build it for the C
+    backend) and an
     integer digest of the library, or None: no C++ compiler, ALCHEMIST_NUMBA_NATIVE=0, or a failed build (with
     a warning)."""
     if os.environ.get("ALCHEMIST_NUMBA_NATIVE", "1") == "0":
@@ -191,7 +197,9 @@ def _ops_built():
     try:
         return _ops_load(cxx)
     except Exception as exc:  # noqa: BLE001 - Numba then expands these Ops into PyTensor ops
-        warnings.warn(f"Numba computes RoPE, attention and SiLU as PyTensor ops: their C library did not build ({exc})")
+        warnings.warn(
+            f"Numba computes RoPE, attention, SiLU, GELU as PyTensor ops: their C library did not build ({exc})"
+        )
         return None
 
 
@@ -218,6 +226,7 @@ def _ops_load(cxx: str):
         "rope": types.void(ptr, ptr, ptr, i64, i64, i64, types.int32, types.int32),
         "attention": types.int32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32),
         "silu": types.void(ptr, ptr, i64, i64),
+        "gelu": types.void(ptr, ptr, i64),
     }
     return {name: numba_external_function(f"{prefix}_{name}", sig) for name, sig in sigs.items()}, int(key[:12], 16)
 

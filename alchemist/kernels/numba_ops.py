@@ -1,9 +1,10 @@
-"""Numba calls the C code of ggml's RoPE, causal attention and SiLU (the ops library, alchemist.kernels.native).
+"""Numba calls the C code of ggml's RoPE, causal attention, SiLU and GELU (the ops library, kernels.native).
 
-With numerics="ggml" a generated module computes RoPE (RopeCacheGgml, RopeGgml), attention (CausalAttentionGgml) and
-SiLU (SiluGgml) as llama.cpp does; on C each is a loop in C with every fma written out. Numba gets the same C code
-from the ops library, so its logits are the C backend's bit for bit. Each wrapper checks the shapes the C code
-relies on, makes its inputs contiguous, allocates the output and passes pointers.
+With numerics="ggml" a generated module computes RoPE (RopeCacheGgml, RopeGgml), attention (CausalAttentionGgml),
+SiLU (SiluGgml) and GELU (GeluTable, a lookup in ggml's fp16 table) as llama.cpp does; on C each is a loop in C
+with every fma written out. Numba gets the same C code from the ops library, so its logits are the C backend's bit
+for bit. Each wrapper checks the shapes the C code relies on, makes its inputs contiguous, allocates the output
+and passes pointers.
 
 Without the library (no C++ compiler, ALCHEMIST_NUMBA_NATIVE=0) the rewrite registered with
 `native.register_numba_expansion` has already replaced these Ops by their float32 formulas, so a wrapper is only
@@ -34,10 +35,11 @@ def _library():
 
 
 def register_numba() -> None:
-    """Register the three Ops' Numba implementations (called from kernels.register_numba; idempotent)."""
+    """Register the Ops' Numba implementations (called from kernels.register_numba; idempotent)."""
     if _registered:
         return
     from alchemist.kernels.attention import CausalAttentionGgml
+    from alchemist.kernels.gelu import GeluTable
     from alchemist.kernels.rope import RopeCacheGgml, RopeGgml
     from alchemist.kernels.silu import SiluGgml
     from alchemist.runtime.pytensor_internals import numba_njit, register_funcify_default_op_cache_key
@@ -152,5 +154,19 @@ def register_numba() -> None:
             return y
 
         return silu_ggml, version
+
+    @register_funcify_default_op_cache_key(GeluTable)
+    def numba_funcify_GeluTable(op, node=None, **kwargs):
+        kernels, version = _library()
+        gelu = kernels["gelu"]
+
+        @numba_njit
+        def gelu_table(x):
+            xc = np.ascontiguousarray(x)
+            y = np.empty(xc.shape, dtype=np.float32)
+            gelu(xc.ctypes.data, y.ctypes.data, xc.size)
+            return y
+
+        return gelu_table, version
 
     _registered.append(True)
