@@ -1,5 +1,5 @@
-"""Numba computes ggml's RoPE, attention, SiLU and GELU with the C backend's own code (alchemist.kernels.numba_ops, the ops
-library of alchemist.kernels.native): bit for bit the C Ops' results, which tests/test_rope.py and
+"""Numba computes ggml's RoPE, attention, SiLU and GELU with the C backend's own code (alchemist.kernels.numba_ops,
+the ops library of alchemist.kernels.native): bit for bit the C Ops' results, which tests/test_rope.py and
 test_attention_ggml.py check against ggml's loops; without the library, Numba gets their float32 formulas."""
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ None when there is no C++ compiler, or the build fails (with a warning): Numba t
 
 `ops_kernels()` does the same for the other ops numerics="ggml" computes in C, ggml's RoPE (cache and rotation),
 causal attention, SiLU and table GELU (alchemist.kernels.rope, attention, silu, gelu): one more library, so that
-Numba computes them bit for bit as the C backend (and llama.cpp) do. Without it, Numba gets their float32 formulas as PyTensor
-ops (the rewrite registered by `register_numba_expansion`), equal up to rounding.
+Numba computes them bit for bit as the C backend (and llama.cpp) do. Without it, Numba gets their float32
+formulas as PyTensor ops (the rewrite registered by `register_numba_expansion`), equal up to rounding.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _load(cxx: str):
     return numba_external_function(name, sig), int(key[:12], 16)
 
 
-# -- RoPE, attention and SiLU as ggml computes them (the C backend's Ops' own C code) ---------------------------
+# -- RoPE, attention, SiLU and GELU as ggml computes them (the C backend's Ops' own C code) ---------------------
 _OPS_ENTRIES = """
 #define ALCHEMIST_EXPORT extern "C" __attribute__((visibility("default")))
 ALCHEMIST_EXPORT void {p}_rope_cache(uintptr_t pos, long long n_pos, uintptr_t ff, long long ff_stride, int n_dims,
@@ -177,11 +177,10 @@ def _ops_source() -> str:
 
 
 def ops_kernels():
-    """The ops library's entry points as Numba external functions (a dict: "rope_cache", "rope", "attention",
-    "silu", "gelu"; each Op's C code, as alchemist.kernels.rope, attention, silu and gelu build it for the C
-    backend) and an
-    integer digest of the library, or None: no C++ compiler, ALCHEMIST_NUMBA_NATIVE=0, or a failed build (with
-    a warning)."""
+    """(entry points, digest) of the ops library: a dict of Numba external functions ("rope_cache", "rope",
+    "attention", "silu", "gelu": each Op's C code as alchemist.kernels.rope, attention, silu and gelu build it for
+    the C backend) and an integer digest of the library; or None: no C++ compiler, ALCHEMIST_NUMBA_NATIVE=0, or a
+    failed build (with a warning)."""
     if os.environ.get("ALCHEMIST_NUMBA_NATIVE", "1") == "0":
         return None
     return _ops_built()
