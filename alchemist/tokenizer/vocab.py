@@ -139,11 +139,13 @@ class Vocab:
 
     def __getattr__(self, name: str):
         # only reached for an attribute missing from __dict__: `merges` of an unpickled vocabulary
-        if name == "merges" and "merge_ids" in self.__dict__:
-            ids = self.__dict__.pop("merge_ids")
+        ids = self.__dict__.get("merge_ids") if name == "merges" else None
+        if ids is not None:
             get = self.tokens.__getitem__
-            self.merges = list(zip(map(get, ids[:, 0].tolist()), map(get, ids[:, 1].tolist())))
-            return self.merges
+            merges = list(zip(map(get, ids[:, 0].tolist()), map(get, ids[:, 1].tolist())))
+            self.merges = merges  # set before the ids go: a thread reading `merges` meanwhile finds one or the other
+            self.__dict__.pop("merge_ids", None)
+            return merges
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def merge_ranks(self) -> "MergeRanks | dict[tuple[str, str], int]":
