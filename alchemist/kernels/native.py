@@ -81,23 +81,31 @@ def _command(cxx: str) -> list[str]:
 
 def matmul_kernel():
     """(Numba external function, digest) for the kernels' entry point, or None (see the module docstring)."""
-    if os.environ.get("ALCHEMIST_NUMBA_NATIVE", "1") == "0":  # read at each Op's Numba compile
-        return None
-    return _built()
+    return _built() if _wanted() else None
 
 
-@lru_cache(maxsize=1)
-def _built():
+def _wanted() -> bool:
+    return os.environ.get("ALCHEMIST_NUMBA_NATIVE", "1") != "0"  # read at each Op's Numba compile
+
+
+def _build_or_warn(load, fallback: str):
+    """load(cxx) with PyTensor's C++ compiler; None without one, or with a warning `fallback` naming what Numba
+    does instead when the build or the load fails."""
     import pytensor
 
     cxx = pytensor.config.cxx
     if not cxx:
         return None
     try:
-        return _load(cxx)
-    except Exception as exc:  # noqa: BLE001 - any failure to build or load: Numba's own kernels still work
-        warnings.warn(f"Numba falls back to its own matmul kernels: the C kernel library did not build ({exc})")
+        return load(cxx)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load: Numba has a fallback
+        warnings.warn(f"{fallback}: the C kernel library did not build ({exc})")
         return None
+
+
+@lru_cache(maxsize=1)
+def _built():
+    return _build_or_warn(_load, "Numba falls back to its own matmul kernels")
 
 
 def _library(source: str, command: list[str], version: str) -> tuple[Path, str]:
@@ -181,25 +189,12 @@ def ops_kernels():
     "attention", "silu", "gelu": each Op's C code as alchemist.kernels.rope, attention, silu and gelu build it for
     the C backend) and an integer digest of the library; or None: no C++ compiler, ALCHEMIST_NUMBA_NATIVE=0, or a
     failed build (with a warning)."""
-    if os.environ.get("ALCHEMIST_NUMBA_NATIVE", "1") == "0":
-        return None
-    return _ops_built()
+    return _ops_built() if _wanted() else None
 
 
 @lru_cache(maxsize=1)
 def _ops_built():
-    import pytensor
-
-    cxx = pytensor.config.cxx
-    if not cxx:
-        return None
-    try:
-        return _ops_load(cxx)
-    except Exception as exc:  # noqa: BLE001 - Numba then expands these Ops into PyTensor ops
-        warnings.warn(
-            f"Numba computes RoPE, attention, SiLU, GELU as PyTensor ops: their C library did not build ({exc})"
-        )
-        return None
+    return _build_or_warn(_ops_load, "Numba computes RoPE, attention, SiLU and GELU as PyTensor ops")
 
 
 def _ops_load(cxx: str):
