@@ -447,6 +447,37 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
     assert np.abs(got_numba - want).max() <= tol * scale
 
 
+class _OffsetLoop(QuantizedMatmul):
+    """QuantizedMatmul with the one-token Q4_0 / Q5_0 loop forced to 256-bit vectors (halves=0) or to 128-bit
+    halves four rows at a time (halves=1), whichever this CPU would not pick itself."""
+
+    __props__ = (*QuantizedMatmul.__props__, "halves")
+
+    def __init__(self, ggml_type, n_out, n_in, halves):
+        super().__init__(ggml_type, n_out, n_in, numerics="ggml")
+        self.halves = halves
+
+    def c_compile_args(self, **kwargs):
+        return [*super().c_compile_args(**kwargs), f"-DALCHEMIST_OFFSET_HALVES={self.halves}"]
+
+
+@pytest.mark.parametrize("ggml_type", ("Q5_0", "Q4_0"))
+@pytest.mark.parametrize("halves", (0, 1))
+def test_one_token_offset_loops_are_ggml_vec_dot(ggml_ref, ggml_type, halves):
+    """Both versions of the one-token Q4_0 / Q5_0 loop give ggml_vec_dot's bits, also for the rows left over
+    when the output count is not a multiple of four."""
+    from alchemist.harness.quantize import quantize_array
+
+    rng = np.random.default_rng(5)
+    n_out, n_in = 47, 256
+    raw = quantize_array(rng.standard_normal((n_out, n_in)).astype(np.float32), ggml_type).reshape(n_out, -1)
+    x = activations_with_outliers(rng, 1, n_in)
+    want = np.array([[ggml_ref.vec_dot(ggml_type, raw[o], ggml_ref.quantize_row(ggml_type, x[0]), n_in) for o in range(n_out)]], np.float32)
+    xv, wv = pt.matrix("x", dtype="float32"), pt.matrix("w", dtype="uint8", shape=raw.shape)
+    got = pytensor.function([xv, wv], _OffsetLoop(ggml_type, n_out, n_in, halves)(xv, wv), mode=get_mode("c"))(x, raw)
+    assert np.array_equal(np.asarray(got), want)
+
+
 @pytest.mark.parametrize("ggml_type", ("Q5_0", "Q4_K", "Q6_K", "Q4_1"))
 def test_ggml_numerics_equal_dequantize_then_matmul_of_rounded_activations(compiled_ggml, compiled, ggml_type):
     """ggml numerics == the exact kernel applied to dequant(quant(x)) (float32 summation order aside), for a

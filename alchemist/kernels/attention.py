@@ -43,6 +43,16 @@ from pytensor.link.c.op import COp
 from alchemist.kernels.expansion import register_expansion
 from alchemist.kernels.native import register_numba_expansion
 
+# before any namespace: the headers and the switch V_EXPF_C's eight-lane version needs
+V_EXPF_INCLUDES = r"""
+#if defined(__AVX2__) && defined(__FMA__) && !defined(ALCHEMIST_ATTN_PORTABLE)
+#include <immintrin.h>
+#define V_EXPF8 1
+#else
+#define V_EXPF8 0
+#endif
+"""
+
 V_EXPF_C = r"""
 static inline uint32_t fbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float bitsf(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
@@ -65,42 +75,8 @@ static inline float v_expf(float x) {
     if (fabsf(n) > 192.0f) return s1 * s1;
     return fmaf(s2, j, s2) * s1;
 }
-"""
-
-ATTENTION_C = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(ALCHEMIST_ATTN_PORTABLE)
-#include <immintrin.h>
-#define ATTN_AVX2 1
-#else
-#define ATTN_AVX2 0
-#endif
-namespace alchemist_attn {
-typedef long long idx_t;
-
-""" + V_EXPF_C + r"""
-/* an __m256's sum as tinyBLAS's hsum and ggml_vec_soft_max_f32 take it */
-static inline float hsum8(const float *v) {
-    const float t0 = v[4] + v[0], t1 = v[5] + v[1], t2 = v[6] + v[2], t3 = v[7] + v[3];
-    return (t0 + t2) + (t1 + t3);
-}
-
-/* GGML_F32x8_REDUCE of ggml_vec_dot_f32's four accumulators (accumulator j at a[8j .. 8j + 7]) */
-static inline float reduce32(const float *a) {
-    float r[8];
-    for (int l = 0; l < 8; ++l) r[l] = (a[l] + a[16 + l]) + (a[8 + l] + a[24 + l]);
-    const float t0 = r[0] + r[4], t1 = r[1] + r[5], t2 = r[2] + r[6], t3 = r[3] + r[7];
-    return (t0 + t1) + (t2 + t3);
-}
-
-#if ATTN_AVX2
-/* ggml_v_expf verbatim */
+#if V_EXPF8
+/* ggml_v_expf verbatim: eight lanes */
 static inline __m256 v_expf8(__m256 x) {
     const __m256 r = _mm256_set1_ps(0x1.8p23f);
     const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), r);
@@ -124,6 +100,36 @@ static inline __m256 v_expf8(__m256 x) {
                                                       _mm256_andnot_ps(_mm256_castsi256_ps(c), _mm256_fmadd_ps(k, j, k)))));
 }
 #endif
+"""
+
+ATTENTION_C = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+""" + V_EXPF_INCLUDES + r"""
+#define ATTN_AVX2 V_EXPF8
+namespace alchemist_attn {
+typedef long long idx_t;
+
+""" + V_EXPF_C + r"""
+/* an __m256's sum as tinyBLAS's hsum and ggml_vec_soft_max_f32 take it */
+static inline float hsum8(const float *v) {
+    const float t0 = v[4] + v[0], t1 = v[5] + v[1], t2 = v[6] + v[2], t3 = v[7] + v[3];
+    return (t0 + t2) + (t1 + t3);
+}
+
+/* GGML_F32x8_REDUCE of ggml_vec_dot_f32's four accumulators (accumulator j at a[8j .. 8j + 7]) */
+static inline float reduce32(const float *a) {
+    float r[8];
+    for (int l = 0; l < 8; ++l) r[l] = (a[l] + a[16 + l]) + (a[8 + l] + a[24 + l]);
+    const float t0 = r[0] + r[4], t1 = r[1] + r[5], t2 = r[2] + r[6], t3 = r[3] + r[7];
+    return (t0 + t1) + (t2 + t3);
+}
+
 
 /* ggml_vec_dot_f32 as compiled for AVX2 + FMA */
 static inline float vec_dot(idx_t n, const float *x, const float *y) {
@@ -210,8 +216,17 @@ static int attend(const float *q, const float *k, const float *v, const int64_t 
     const size_t per_thread = (size_t)(S8 + lanes * D);
     float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)n_threads);
     if (!scratch) return -1;
-    /* threads only where the work is worth a fork (a decode step at short context is a few microseconds) */
-#pragma omp parallel for schedule(static) if (rows > 1 && (double)rows * (double)S * (double)D > 262144.0)
+    /* threads only where the work is worth a fork: query rows x keys they may see x D (the cache's capacity S
+       is not the work: a decode step early in a long cache sees a few keys) */
+    double work = 0.0;
+    for (idx_t b = 0; b < B; ++b) {
+        int64_t last = -1;
+        for (idx_t t = 0; t < T; ++t) last = qpos[b * T + t] > last ? qpos[b * T + t] : last;
+        idx_t seen = 0;
+        for (idx_t s = 0; s < S; ++s) seen += kpos[b * S + s] >= 0 && kpos[b * S + s] <= last;
+        work += (double)T * (double)H * (double)seen * (double)D;
+    }
+#pragma omp parallel for schedule(static) if (rows > 1 && work > 32768.0)
     for (idx_t r = 0; r < rows; ++r) {
         int tid = 0;
 #ifdef _OPENMP

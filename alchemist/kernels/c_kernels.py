@@ -836,27 +836,100 @@ static inline acc8 dot_block_int(const int8_t *q, const float *dl, const int8_t 
    same integer as ggml's sum((code - OFF) * x) with its sign trick, in fewer instructions (maddubs takes the
    codes as they are; OFF x the activations' sums of 4 is computed once per token). Used where CodeOffset<Q>::OFF
    is not 0. */
+/* codes(b): the block's 32 codes; halves(b, lo, hi): the same as two 16-byte halves */
 template <class Q>
 struct OffsetCodes {
     static inline __m256i codes(const uint8_t *) { return _mm256_setzero_si256(); }
+    static inline void halves(const uint8_t *, __m128i *, __m128i *) {}
 };
+static inline void nibble_halves(const uint8_t *p, __m128i *lo, __m128i *hi) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0xF);
+    *lo = _mm_and_si128(v, m4);
+    *hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+}
 template <>
 struct OffsetCodes<Q4_0> {
     static inline __m256i codes(const uint8_t *b) { return nibbles_32(b + 2); }
+    static inline void halves(const uint8_t *b, __m128i *lo, __m128i *hi) { nibble_halves(b + 2, lo, hi); }
 };
 /* Q5_0's fifth bits: byte j of Q5_HIGH_BITS[v] is 0x10 where bit j of v is set. Four table reads on the
    integer side instead of a broadcast, shuffle, compare and mask on the vector side, which bounds this loop. */
 static const uint64_t Q5_HIGH_BITS[256] = {/*Q5_HIGH_BITS*/};
-static inline __m256i q5_high_bits(const uint8_t *p) {
+static inline void q5_high_halves(const uint8_t *p, __m128i *lo, __m128i *hi) {
     const uint32_t qh = u32le(p);
-    const __m128i lo = _mm_insert_epi64(_mm_cvtsi64_si128((long long)Q5_HIGH_BITS[qh & 255]), (long long)Q5_HIGH_BITS[(qh >> 8) & 255], 1);
-    const __m128i hi = _mm_insert_epi64(_mm_cvtsi64_si128((long long)Q5_HIGH_BITS[(qh >> 16) & 255]), (long long)Q5_HIGH_BITS[qh >> 24], 1);
-    return _mm256_set_m128i(hi, lo);
+    *lo = _mm_insert_epi64(_mm_cvtsi64_si128((long long)Q5_HIGH_BITS[qh & 255]), (long long)Q5_HIGH_BITS[(qh >> 8) & 255], 1);
+    *hi = _mm_insert_epi64(_mm_cvtsi64_si128((long long)Q5_HIGH_BITS[(qh >> 16) & 255]), (long long)Q5_HIGH_BITS[qh >> 24], 1);
 }
 template <>
 struct OffsetCodes<Q5_0> {
-    static inline __m256i codes(const uint8_t *b) { return _mm256_or_si256(nibbles_32(b + 6), q5_high_bits(b + 2)); }
+    static inline __m256i codes(const uint8_t *b) {
+        __m128i lo, hi;
+        q5_high_halves(b + 2, &lo, &hi);
+        return _mm256_or_si256(nibbles_32(b + 6), _mm256_set_m128i(hi, lo));
+    }
+    static inline void halves(const uint8_t *b, __m128i *lo, __m128i *hi) {
+        __m128i nlo, nhi, blo, bhi;
+        nibble_halves(b + 6, &nlo, &nhi);
+        q5_high_halves(b + 2, &blo, &bhi);
+        *lo = _mm_or_si128(nlo, blo);
+        *hi = _mm_or_si128(nhi, bhi);
+    }
 };
+
+/* Zen 1 executes each 256-bit operation as two 128-bit ones: there the loop below computes on 128-bit halves
+   (no lane-crossing inserts to build 256-bit codes) and four rows at a time (sharing the activation loads).
+   -DALCHEMIST_OFFSET_HALVES=0 or 1 picks either on any AVX2 CPU (the tests run both). */
+#if defined(ALCHEMIST_OFFSET_HALVES)
+#define AQ_OFFSET_HALVES ALCHEMIST_OFFSET_HALVES
+#elif defined(__znver1__)
+#define AQ_OFFSET_HALVES 1
+#else
+#define AQ_OFFSET_HALVES 0
+#endif
+
+/* Rows o .. o + R - 1 of a Q4_0 / Q5_0 weight times one activation row. Per block, lane i holds the integer
+   sum(code * x) - OFF * sum(x) over elements 4i .. 4i + 3 and acc = fma(dw * dx, float(lanes), acc); the row is
+   acc8_total(acc). The halves compute lanes 0-3 and 4-7 apart with the same operations: the same sums. */
+template <class Q, int R>
+static inline void offset_rows(const uint8_t *W, idx_t rb, idx_t nb, const ActRows *a, idx_t o, float *Y) {
+#if AQ_OFFSET_HALVES
+    const __m128i ones = _mm_set1_epi16(1);
+    __m128 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm_setzero_ps();
+    for (idx_t b = 0; b < nb; ++b) {
+        const __m128i x0 = _mm_loadu_si128((const __m128i *)(a->q + 32 * b)), x1 = _mm_loadu_si128((const __m128i *)(a->q + 32 * b + 16));
+        const __m128i off0 = _mm_load_si128((const __m128i *)(a->s4 + 8 * b)), off1 = _mm_load_si128((const __m128i *)(a->s4 + 8 * b + 4));
+        const float dx = a->d[b];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t *blk = W + (o + r) * rb + b * Q::BS;
+            __builtin_prefetch(blk + PREFETCH);
+            __m128i c0, c1;
+            OffsetCodes<Q>::halves(blk, &c0, &c1);
+            const __m128i l0 = _mm_sub_epi32(_mm_madd_epi16(_mm_maddubs_epi16(c0, x0), ones), off0);
+            const __m128i l1 = _mm_sub_epi32(_mm_madd_epi16(_mm_maddubs_epi16(c1, x1), ones), off1);
+            const __m128 sc = _mm_set1_ps(f16(blk) * dx);
+            lo[r] = _mm_fmadd_ps(sc, _mm_cvtepi32_ps(l0), lo[r]);
+            hi[r] = _mm_fmadd_ps(sc, _mm_cvtepi32_ps(l1), hi[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) Y[o + r] = acc8_total(_mm256_set_m128(hi[r], lo[r]));
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r) {
+        const uint8_t *row = W + (o + r) * rb;
+        __m256 acc = _mm256_setzero_ps();
+        for (idx_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = row + b * Q::BS;
+            __builtin_prefetch(blk + PREFETCH);
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + 32 * b));
+            const __m256i off = _mm256_load_si256((const __m256i *)(a->s4 + 8 * b));
+            const __m256i lanes = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(OffsetCodes<Q>::codes(blk), xv), ones), off);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * a->d[b]), _mm256_cvtepi32_ps(lanes), acc);
+        }
+        Y[o + r] = acc8_total(acc);
+    }
+#endif
+}
 #endif
 
 /* the offset part of block b of one activation row */
@@ -1305,21 +1378,11 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
     }
 #if AQ_AVX2
     if (T == 1 && CodeOffset<Q>::OFF) {
-        const __m256i ones = _mm256_set1_epi16(1);
+        enum { R = AQ_OFFSET_HALVES ? 4 : 1 };
+        const idx_t n_groups = n_out / R;
 #pragma omp parallel for schedule(static) if (threaded)
-        for (idx_t o = 0; o < n_out; ++o) {
-            const uint8_t *row = W + o * rb;
-            __m256 acc = _mm256_setzero_ps();
-            for (idx_t b = 0; b < nb; ++b) {
-                const uint8_t *blk = row + b * Q::BS;
-                __builtin_prefetch(blk + PREFETCH);
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(a.q + 32 * b));
-                const __m256i off = _mm256_load_si256((const __m256i *)(a.s4 + 8 * b));
-                const __m256i lanes = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(OffsetCodes<Q>::codes(blk), xv), ones), off);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * a.d[b]), _mm256_cvtepi32_ps(lanes), acc);
-            }
-            Y[o] = acc8_total(acc);
-        }
+        for (idx_t g = 0; g < n_groups; ++g) offset_rows<Q, R>(W, rb, nb, &a, g * R, Y);
+        for (idx_t o = n_groups * R; o < n_out; ++o) offset_rows<Q, 1>(W, rb, nb, &a, o, Y);
         free(a.mem);
         return 0;
     }
