@@ -75,6 +75,33 @@ def test_cached_graph_computes_what_a_compiled_one_does(q8_module, graph_dir, ba
     assert np.abs(k_cached[: len(PROMPT) + len(DECODE) - 1]).max() > 0
 
 
+def test_taps_function_is_cached_and_computes_the_same(tiny_module, graph_dir, monkeypatch):
+    """The validation harness's every-intermediate function (Engine.taps_function) links from the graph cache in a
+    second engine: the same names, the same values, and its own key (not a step function's)."""
+    mod, path = tiny_module("qwen2")
+    weights = mod.load_weights(str(path))
+    fresh = Engine(mod, weights, "c", 32)
+    names, fn = fresh.taps_function(len(PROMPT))
+    expected = fn(np.array(PROMPT, np.int64), np.int64(0), np.int64(len(PROMPT)))
+    assert len(list(graph_dir.glob("*.pkl"))) == 1
+    assert fresh._graph_cache_key(len(PROMPT), True, taps=True) != fresh._graph_cache_key(len(PROMPT), True)
+
+    loads = []
+    real_load = graph_cache.load
+
+    def spy(key, shared, mode):
+        loads.append(real_load(key, shared, mode))
+        return loads[-1]
+
+    monkeypatch.setattr(graph_cache, "load", spy)
+    cached_names, cached_fn = Engine(mod, weights, "c", 32).taps_function(len(PROMPT))
+    assert len(loads) == 1 and loads[0] is cached_fn  # linked from the cache, not rewritten
+    assert cached_names == names and len(names) > 10
+    got = cached_fn(np.array(PROMPT, np.int64), np.int64(0), np.int64(len(PROMPT)))
+    for name, a, b in zip(names, expected, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+
+
 def _generate_in_a_new_process(module_file: str, gguf_path, graph_dir, out) -> dict:
     """_generate on the C backend in a fresh Python process; returns what the child saw of the caches."""
     script = textwrap.dedent(f"""

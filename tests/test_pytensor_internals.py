@@ -207,3 +207,72 @@ def test_c_exceptions_module_without_setuptools():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def _validation_outcomes() -> list[str]:
+    """Replace nodes of a small graph by in-place ones under a Supervisor protecting input x and the outputs:
+    each replacement's outcome ("accepted" or the refusal's text)."""
+    import pytensor.tensor as pt
+    from pytensor.graph.features import ReplaceValidate
+    from pytensor.graph.fg import FunctionGraph
+
+    def in_place(var, *inputs):  # var's elementwise op, writing its output over input 0
+        op = var.owner.op
+        return type(op)(op.scalar_op, {0: 0})(*inputs)
+
+    x, y = pt.vector("x"), pt.vector("y")
+    e = pt.exp(x)
+    s = e + y
+    out = pt.log(s)
+    fgraph = FunctionGraph([x, y], [out, e], clone=False)
+    fgraph.attach_feature(internals.DestroyHandler())
+    fgraph.attach_feature(internals.Supervisor([x]))
+    fgraph.attach_feature(ReplaceValidate())
+    outcomes = []
+    for old, new in [
+        (e, in_place(e, x)),  # destroys the protected input x
+        (s, in_place(s, e, y)),  # destroys e, an output
+        (s, in_place(s, y, e)),  # destroys y, which is not protected
+        (out, in_place(out, fgraph.outputs[0].owner.inputs[0])),  # destroys the sum
+    ]:
+        try:
+            fgraph.replace_all_validate([(old, new)], reason="test")
+            outcomes.append("accepted")
+        except internals.InconsistencyError as err:
+            outcomes.append(str(err).split(":")[0])
+    return outcomes
+
+
+def test_fast_supervisor_refuses_and_accepts_what_pytensors_does(monkeypatch):
+    """alchemist.runtime.fast_supervisor's check against PyTensor's own Supervisor.on_validate, replacement by
+    replacement, on a graph where it must refuse (an in-place op on a protected input) and accept."""
+    from alchemist.runtime import fast_supervisor
+
+    assert fast_supervisor.install()
+    ours = internals.Supervisor.on_validate
+    assert ours is not ours.pytensor_on_validate
+    outcomes = _validation_outcomes()
+    monkeypatch.setattr(internals.Supervisor, "on_validate", ours.pytensor_on_validate)
+    assert _validation_outcomes() == outcomes
+    assert outcomes == ["Trying to destroy a protected variable"] * 2 + ["accepted"] * 2
+
+
+def test_the_rewrites_the_modes_leave_out_are_pytensors():
+    """backends.UNUSED_REWRITES name PyTensor rewrites (a renamed one would silently run again): PyTensor's
+    fast_run turns a product with a diagonal matrix into an elementwise one, alchemist's C mode keeps the Dot."""
+    import pytensor
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    from alchemist.runtime.backends import UNUSED_REWRITES, get_mode
+
+    v, m = pt.vector("v"), pt.matrix("m")
+    out = pt.dot(pt.diag(v), m)
+
+    def ops(mode):
+        fn = pytensor.function([v, m], out, mode=Mode(linker="py", optimizer=mode.provided_optimizer))
+        return {type(node.op).__name__ for node in fn.maker.fgraph.apply_nodes}
+
+    assert "dot_diag_to_elemwise" in UNUSED_REWRITES
+    assert not ops(Mode(linker="py", optimizer="fast_run")) & {"Dot", "Dot22", "Gemm", "Gemv", "CGemv"}
+    assert ops(get_mode("c")) & {"Dot", "Dot22", "Gemm", "Gemv", "CGemv"}

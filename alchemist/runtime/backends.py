@@ -126,14 +126,23 @@ def get_mode(name: str):
     require_backend(name)
     from pytensor.compile.mode import Mode, get_mode as pytensor_mode
 
-    from alchemist.runtime import rewrites
+    from alchemist.runtime import fast_supervisor, rewrites
 
     rewrites.register()
+    fast_supervisor.install()
     if name == "c":
-        return Mode(linker="cvm", optimizer="fast_run").including(rewrites.TAG)
-    mode = pytensor_mode({"numba": "NUMBA", "jax": "JAX", "mlx": "MLX"}[name])
-    # Numba compiles each distinct fused Composite too; JAX and MLX fuse on their own
-    return mode.including(rewrites.TAG) if name == "numba" else mode
+        mode = Mode(linker="cvm", optimizer="fast_run").including(rewrites.TAG)
+    else:
+        mode = pytensor_mode({"numba": "NUMBA", "jax": "JAX", "mlx": "MLX"}[name])
+        # Numba compiles each distinct fused Composite too; JAX and MLX fuse on their own
+        mode = mode.including(rewrites.TAG) if name == "numba" else mode
+    return mode.excluding(*UNUSED_REWRITES)
+
+
+# PyTensor's linear-algebra rewrites that ask, for every matrix product, whether an operand is diagonal, symmetric
+# or a row selection: a model's products never are, and the asking (PyTensor's AssumptionFeature walking the
+# graph after each change) was a sixth of rewriting a large graph. Excluding them leaves the rewritten graph as it was.
+UNUSED_REWRITES = ("dot_diag_to_elemwise", "selection_dot_to_indexing", "useless_symmetric_transpose")
 
 
 def static_shapes(name: str) -> bool:

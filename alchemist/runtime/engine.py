@@ -330,9 +330,11 @@ class Engine:
             shared.update((sv.name, sv) for sv in caches)
         return shared
 
-    def _graph_cache_key(self, n_tokens: int, all_logits: bool, shared: dict | None = None) -> str | None:
-        """The rewritten-graph cache key of a step function, or None when the cache is off or the module has
-        been modified since import_generated."""
+    def _graph_cache_key(
+        self, n_tokens: int, all_logits: bool, shared: dict | None = None, taps: bool = False
+    ) -> str | None:
+        """The rewritten-graph cache key of a step function (or, with `taps`, of taps_function's), or None when
+        the cache is off or the module has been modified since import_generated."""
         if not graph_cache.enabled() or not is_as_imported(self.module):
             return None
         if self.backend == "numba":
@@ -341,16 +343,23 @@ class Engine:
 
             register_numba()
         spec = {"n_tokens": n_tokens, "all_logits": all_logits, "capacity": self.capacity, "static": self.static}
+        if taps:
+            spec["taps"] = True
         source_sha256 = getattr(self.module, _SOURCE_SHA256)
         shared = self._shared_by_name() if shared is None else shared
         return graph_cache.step_key(source_sha256, self.backend, self.mode, shared, spec)
 
     def taps_function(self, n_tokens: int):
-        """A function returning every named intermediate (llama.cpp names) for a fresh sequence."""
+        """A function returning every named intermediate (llama.cpp names) for a fresh sequence; its rewritten
+        graph is kept in the graph cache as the step functions' are."""
         taps: dict = {}
         inputs, logits, _ = self._build(n_tokens, True, taps)
         names = list(taps)
-        fn = pytensor.function(inputs, [taps[n] for n in names], mode=self.mode, on_unused_input="ignore")
+        shared = self._shared_by_name()
+        cache_key = self._graph_cache_key(n_tokens, True, shared, taps=True)
+        fn = graph_cache.load(cache_key, shared, self.mode) if cache_key else None
+        if fn is None:
+            fn = link_step(rewrite_step(inputs, [taps[n] for n in names], None, self.mode), cache_key)
         return names, fn
 
     # -- running -----------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ tests/test_pytensor_internals.py checks each one (it exists, and takes the argum
 moving to a new PyTensor starts with running that file.
 
 Under another PyTensor series `tested()` is False and one warning says so: the optional wrappers (fast_link,
-parallel_build, compile_progress) then stay off and PyTensor links and compiles by its own paths; what is
-still used (the compiler's and BLAS's flags, the graph cache's FunctionMaker, which falls back to compiling
-afresh on any error) is what alchemist cannot do without.
+parallel_build, compile_progress, fast_supervisor) then stay off and PyTensor links, compiles and validates by
+its own paths; what is still used (the compiler's and BLAS's flags, the graph cache's FunctionMaker, which falls
+back to compiling afresh on any error) is what alchemist cannot do without.
 
 Symbols are imported on first use (`pytensor_internals.CLinker`), so importing this module imports neither
 PyTensor (alchemist.runtime.backends configures it first) nor Numba (an optional backend).
@@ -57,6 +57,13 @@ SYMBOLS: dict[str, tuple[str, str, str]] = {
         "the engine rewrites a step before linking it (pytensor.function's first half)",
     ),
     "VMLinker": ("pytensor.link.vm", "VMLinker", "the engine tells a C-thunk linker by its c_thunks"),
+    "Supervisor": ("pytensor.compile.aliasing", "Supervisor", "fast_supervisor replaces its on_validate"),
+    "DestroyHandler": (
+        "pytensor.graph.destroyhandler",
+        "DestroyHandler",
+        "fast_supervisor reads its refresh_droot_impact() maps",
+    ),
+    "InconsistencyError": ("pytensor.graph.utils", "InconsistencyError", "fast_supervisor refuses a graph with it"),
     "blas_ldflags": ("pytensor.tensor.blas._core", "ldflags", "the kernels link PyTensor's BLAS"),
     "blas_header_text": ("pytensor.tensor.blas.c_code.blas_headers", "blas_header_text", "the kernels' BLAS"),
     "blas_header_version": (
