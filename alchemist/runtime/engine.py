@@ -130,16 +130,22 @@ def link_step(maker, cache_key: str | None):
     return fn
 
 
+def cached_or_compiled(cache_key: str | None, shared: dict, mode, build):
+    """(function, True) linked from the rewritten-graph cache, or (function, False) compiled from build() ->
+    (inputs, outputs, updates) and saved there."""
+    fn = graph_cache.load(cache_key, shared, mode) if cache_key else None
+    if fn is not None:
+        return fn, True
+    return link_step(rewrite_step(*build(), mode), cache_key), False
+
+
 def load_or_compile(stats, t0: float, cache_key: str | None, shared: dict, mode, build, label="", progress=None):
     """A step function linked from the rewritten-graph cache, or compiled from build() -> (inputs, outputs,
     updates) and saved there; counted in stats (time since t0, one compile). `progress` receives
     alchemist.runtime.compile_progress.CompileEvent's about `label` while it compiles."""
     with compile_progress.tracking(label, progress):
-        fn = graph_cache.load(cache_key, shared, mode) if cache_key else None
-        if fn is not None:
-            stats.graph_cache_hits += 1
-        else:
-            fn = link_step(rewrite_step(*build(), mode), cache_key)
+        fn, cached = cached_or_compiled(cache_key, shared, mode, build)
+    stats.graph_cache_hits += cached
     stats.compile_seconds += time.perf_counter() - t0
     stats.compile_count += 1
     return fn
@@ -357,9 +363,7 @@ class Engine:
         names = list(taps)
         shared = self._shared_by_name()
         cache_key = self._graph_cache_key(n_tokens, True, shared, taps=True)
-        fn = graph_cache.load(cache_key, shared, self.mode) if cache_key else None
-        if fn is None:
-            fn = link_step(rewrite_step(inputs, [taps[n] for n in names], None, self.mode), cache_key)
+        fn, _ = cached_or_compiled(cache_key, shared, self.mode, lambda: (inputs, [taps[n] for n in names], None))
         return names, fn
 
     # -- running -----------------------------------------------------------------------------------
