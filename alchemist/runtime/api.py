@@ -42,7 +42,7 @@ def write_generated(ir: ModelIR, out_dir: str | Path) -> Path:
     source = render_module(ir)
     target = out_dir / f"{module_slug(ir.source_file)}.py"
     if not target.exists() or target.read_text() != source:
-        tmp = target.with_suffix(".py.tmp")
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")  # per process: two may render the same module at once
         tmp.write_text(source)
         os.replace(tmp, target)
     return target
