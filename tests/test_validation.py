@@ -54,7 +54,8 @@ def shared_engines():
     return {}
 
 
-def _validate_types(fixture_files, shared_engines, case, backend, wtypes, n_gen_for, kernels_for=lambda w: False):
+def _validate_types(fixture_files, shared_engines, case, backend, wtypes, n_gen_for, kernels_for=lambda w: False,
+                    layers=True):
     results = {}
     for wtype in wtypes:
         path = fixture_files(case, wtype)
@@ -65,7 +66,7 @@ def _validate_types(fixture_files, shared_engines, case, backend, wtypes, n_gen_
             shared_engines[key] = Engine(loaded.module, loaded.weights_for(backend, kernels), backend, CONTEXT)
         with LlamaCppOracle(str(path), n_ctx=CONTEXT, n_threads=1) as oracle:
             res = validate_backend(loaded, backend, oracle, PROMPT, n_gen_for(wtype), CONTEXT,
-                                   engine=shared_engines[key], quantized=kernels)
+                                   engine=shared_engines[key], quantized=kernels, layers=layers)
         results[wtype] = res
     failed = {w: r["failures"] for w, r in results.items() if not r["passed"]}
     assert not failed, failed
@@ -76,12 +77,15 @@ def _validate_types(fixture_files, shared_engines, case, backend, wtypes, n_gen_
     return results
 
 
-def _check_family(fixture_files, shared_engines, case, backend, n_greedy):
+def _check_family(fixture_files, shared_engines, case, backend, n_greedy, layers=True):
     results = _validate_types(fixture_files, shared_engines, case, backend, FAMILY_TYPES + CASE_TYPES.get(case, ()),
-                              lambda wtype: n_greedy if wtype == "F32" else 0)
-    # the exact fixture really was compared layer by layer (every layer's output included)
-    layers = results["F32"]["layers"]
-    assert layers["n_compared"] >= 2 * 4 and layers["max_nmse"] <= 1e-6, layers
+                              lambda wtype: n_greedy if wtype == "F32" else 0, layers=layers)
+    assert results["F32"]["prompt"]["logits_nmse"] <= 1e-6
+    if layers:  # the exact fixture really was compared layer by layer (every layer's output included)
+        compared = results["F32"]["layers"]
+        assert compared["n_compared"] >= 2 * 4 and compared["max_nmse"] <= 1e-6, compared
+    else:
+        assert "layers" not in results["F32"]
     if n_greedy:
         assert results["F32"]["greedy"]["n_agree"] == n_greedy
     assert not results["Q4_K"]["quantized_kernels"]
@@ -92,11 +96,19 @@ def test_family_fixture_c(fixture_files, shared_engines, case):
     _check_family(fixture_files, shared_engines, case, "c", n_greedy=32)
 
 
+# Numba compiles each graph whole (a cold compile of a family's prompt graph is ~0.5-2.5 min here, half the cold
+# suite was Numba): every family's prompt logits and weight types are held to the bar on Numba, which detects a
+# divergence; comparing every layer's output, which locates one, compiles one more graph, so it runs on C for
+# every fixture and on Numba for these families (dense and MoE, RMSNorm and LayerNorm, RoPE and learned
+# positions, softcapping and sliding windows, a hybrid with convolutions). `alchemist diff --backend numba`
+# locates a divergence on any other.
+NUMBA_LAYER_FAMILIES = ("llama", "gemma3", "gpt2", "qwen3moe", "lfm2")
+
+
 @pytest.mark.parametrize("case", FAMILIES)
 def test_family_fixture_numba(fixture_files, shared_engines, case):
-    # the prompt (prefill) graph and every layer output; decoding through the KV cache is the same graph at
-    # T = 1, checked on C above (Numba compiles each graph whole, so this halves its compile time)
-    _check_family(fixture_files, shared_engines, case, "numba", n_greedy=0)
+    # the prompt (prefill) graph; decoding through the KV cache is the same graph at T = 1, checked on C above
+    _check_family(fixture_files, shared_engines, case, "numba", n_greedy=0, layers=case in NUMBA_LAYER_FAMILIES)
 
 
 @pytest.mark.parametrize("backend", ("c", "numba"))
