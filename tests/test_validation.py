@@ -80,7 +80,6 @@ def _validate_types(fixture_files, shared_engines, case, backend, wtypes, n_gen_
 def _check_family(fixture_files, shared_engines, case, backend, n_greedy, layers=True):
     results = _validate_types(fixture_files, shared_engines, case, backend, FAMILY_TYPES + CASE_TYPES.get(case, ()),
                               lambda wtype: n_greedy if wtype == "F32" else 0, layers=layers)
-    assert results["F32"]["prompt"]["logits_nmse"] <= 1e-6
     if layers:  # the exact fixture really was compared layer by layer (every layer's output included)
         compared = results["F32"]["layers"]
         assert compared["n_compared"] >= 2 * 4 and compared["max_nmse"] <= 1e-6, compared

@@ -215,17 +215,17 @@ def validate_backend(
             "recompiles_second_run": engine.stats.compile_count - compiles_before,
         }
     if exact and layers:
-        layers = layer_nmse(engine, oracle, prompt)
-        worst = max(layers["nmse"].values()) if layers["nmse"] else 0.0
-        if layers["first_divergence"]:
+        compared = layer_nmse(engine, oracle, prompt)
+        worst = max(compared["nmse"].values()) if compared["nmse"] else 0.0
+        if compared["first_divergence"]:
             failures.append(
-                f"layer outputs: first divergence at {layers['first_divergence']} "
-                f"(NMSE {layers['divergent_nmse']:.3g})"
+                f"layer outputs: first divergence at {compared['first_divergence']} "
+                f"(NMSE {compared['divergent_nmse']:.3g})"
             )
         result["layers"] = {
-            "n_compared": len(layers["nmse"]),
+            "n_compared": len(compared["nmse"]),
             "max_nmse": worst,
-            "first_divergence": layers["first_divergence"],
+            "first_divergence": compared["first_divergence"],
         }
     result["compile_count"] = engine.stats.compile_count
     result["compile_s"] = round(engine.stats.compile_seconds, 2)
