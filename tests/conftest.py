@@ -104,3 +104,21 @@ def png_size():
         return width, height
 
     return check
+
+
+@pytest.fixture
+def c_kernels_on(monkeypatch):
+    """c_kernels_on(backend, on): JAX's or MLX's calls into alchemist's C kernels for numerics="ggml"
+    (alchemist.kernels.jax_ffi, mlx_host) switched on, skipping when they did not build here, or off (the Ops'
+    formulas instead); skips when the backend is not installed."""
+
+    def switch(backend: str, on: bool = True) -> None:
+        pytest.importorskip(backend)
+        from alchemist.kernels import jax_ffi, mlx_host
+
+        module, env = {"jax": (jax_ffi, "ALCHEMIST_JAX_FFI"), "mlx": (mlx_host, "ALCHEMIST_MLX_KERNELS")}[backend]
+        monkeypatch.setenv(env, "1" if on else "0")
+        if on and not module.available():
+            pytest.skip(f"{backend}: the C kernels did not build here")
+
+    return switch

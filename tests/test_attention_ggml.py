@@ -186,11 +186,25 @@ def test_the_ggml_copy_attends_with_the_op(tiny_module):
     assert isinstance(out.owner.op, CausalAttentionGgml) and out.type.shape == (3, n_head * dim)
 
 
-def test_the_op_on_jax_is_the_formula():
-    pytest.importorskip("jax")
+@pytest.mark.parametrize("backend", ("jax", "mlx"))
+@pytest.mark.parametrize("kernels", (True, False), ids=("kernels", "formula"))
+@pytest.mark.parametrize("name", ("gqa", "softcap+sinks", "window"))
+def test_the_op_on_jax_and_mlx(c_kernels_on, name, kernels, backend):
+    """JAX and MLX call the C loops (alchemist.kernels.jax_ffi, mlx_host): ggml's bits, the cache's unseen rows
+    and negative positions included; without the C kernels they compute the formula."""
+    c_kernels_on(backend, kernels)
+    (n_head, n_kv_head, dim, window, scale, softcap, has_sinks), cases = CASES[name]
+    op = CausalAttentionGgml(n_head, n_kv_head, dim, window, scale, softcap, has_sinks)
+    symbols = _symbols(has_sinks)
+    fn = pytensor.function(symbols, op(*symbols), mode=get_mode(backend))
     rng = np.random.default_rng(5)
-    args = _case(rng, 1, 3, 7, 4, 2, 32)
-    symbols = _symbols()
-    op = CausalAttentionGgml(4, 2, 32, 0, 0.125)
-    got = np.asarray(pytensor.function(symbols, op(*symbols), mode=get_mode("jax"))(*args))
-    np.testing.assert_allclose(got, attention_ggml_reference(*args, 0, 0.125), rtol=0, atol=3e-6)
+    for n_seq, n_tok, n_keys, empty in cases:
+        args = _case(rng, n_seq, n_tok, n_keys, n_head, n_kv_head, dim, empty)
+        if has_sinks:
+            args.append(rng.standard_normal(n_head).astype(np.float32))
+        got = np.asarray(fn(*args))
+        want = attention_ggml_reference(*args[:5], window, scale, softcap, args[5] if has_sinks else None)
+        if kernels:
+            assert _bits_differ(got, want) == 0, (name, n_seq, n_tok, n_keys)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -91,7 +91,9 @@ def compiled():
     def get(backend, ggml_type, n_out, n_in):
         key = (backend, ggml_type, n_out, n_in)
         if key not in cache:
-            pytest.importorskip({"c": "pytensor", "numba": "numba", "jax": "jax", "mlx": "mlx"}[backend.removesuffix("-own")])
+            pytest.importorskip(
+                {"c": "pytensor", "numba": "numba", "jax": "jax", "mlx": "mlx"}[backend.removesuffix("-own")]
+            )
             x = pt.matrix("x", dtype="float32")
             w = pt.matrix("w", dtype="uint8", shape=(n_out, row_bytes(ggml_type, n_in)))
             with pytest.MonkeyPatch.context() as m:
@@ -346,7 +348,8 @@ def compiled_ggml():
     cache = {}
 
     def get(backend, ggml_type, n_out, n_in):
-        """backend "numba-own": Numba with its own kernels (not the C kernels' shared library)."""
+        """backend "numba-own": Numba with its own kernels (not the C kernels' shared library); "jax-formula",
+        "mlx-formula": JAX / MLX without the C kernels (alchemist.kernels.jax_ffi, mlx_host), the Op expanded."""
         key = (backend, ggml_type, n_out, n_in)
         if key not in cache:
             x = pt.matrix("x", dtype="float32")
@@ -355,7 +358,12 @@ def compiled_ggml():
             with pytest.MonkeyPatch.context() as m:
                 if backend == "numba-own":
                     m.setenv("ALCHEMIST_NUMBA_NATIVE", "0")
-                cache[key] = pytensor.function([x, w], y, mode=get_mode(backend.removesuffix("-own")))
+                if backend == "jax-formula":
+                    m.setenv("ALCHEMIST_JAX_FFI", "0")
+                if backend == "mlx-formula":
+                    m.setenv("ALCHEMIST_MLX_KERNELS", "0")
+                mode = backend.removesuffix("-own").removesuffix("-formula")
+                cache[key] = pytensor.function([x, w], y, mode=get_mode(mode))
         return cache[key]
 
     return get
@@ -378,7 +386,9 @@ def ggml_dequantized_activations(ggml_ref, ggml_type, x):
     out = np.empty_like(x)
     for t, row in enumerate(x):
         blocks = ggml_ref.quantize_row("Q8_0" if kind == "q8_1" else ggml_type, row)
-        fn = ggml()._bind(f"dequantize_row_{'q8_K' if kind == 'q8_K' else 'q8_0'}", [ctypes.c_void_p] * 2 + [ctypes.c_int64], None)
+        fn = ggml()._bind(
+            f"dequantize_row_{'q8_K' if kind == 'q8_K' else 'q8_0'}", [ctypes.c_void_p] * 2 + [ctypes.c_int64], None
+        )
         fn(blocks.ctypes.data, out[t].ctypes.data, row.size)
     return out
 
@@ -403,14 +413,22 @@ def test_ggml_activation_quantization_is_bit_exact(ggml_ref, compiled_ggml, back
     from alchemist.harness.quantize import quantize_array
 
     n = 512
-    eye = q8_0_identity(n) if ggml_type == "Q8_0" else quantize_array(np.eye(n, dtype=np.float32), "Q6_K").reshape(n, -1)
+    eye = (
+        q8_0_identity(n) if ggml_type == "Q8_0" else quantize_array(np.eye(n, dtype=np.float32), "Q6_K").reshape(n, -1)
+    )
     assert np.array_equal(reference_dequantize(eye, ggml_type), np.eye(n, dtype=np.float32))
     x = activations_with_outliers(np.random.default_rng(3), 6, n)
     x[1] = 0.0  # an all-zero row: scale 0
     x[2, :32] = np.float32(1e-3) * np.arange(32)  # ties and tiny values
     want = ggml_dequantized_activations(ggml_ref, ggml_type, x)
     if (backend == "c" or backend == "numba" and native.matmul_kernel()) and ggml_type == "Q6_K":
-        want = np.array([[ggml_ref.vec_dot(ggml_type, eye[o], ggml_ref.quantize_row(ggml_type, row), n) for o in range(n)] for row in x], np.float32)
+        want = np.array(
+            [
+                [ggml_ref.vec_dot(ggml_type, eye[o], ggml_ref.quantize_row(ggml_type, row), n) for o in range(n)]
+                for row in x
+            ],
+            np.float32,
+        )
     for T in (1, 6):  # the decode path and the batched path
         got = np.asarray(compiled_ggml(backend, ggml_type, n, n)(x[:T], eye))
         assert np.array_equal(got, want[:T]), f"{np.abs(got - want[:T]).max()}"
@@ -431,12 +449,24 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
     raw = quantize_array(rng.standard_normal((n_out, n_in)).astype(np.float32), ggml_type).reshape(n_out, -1)
     x = activations_with_outliers(rng, 5, n_in)
     want = np.array(
-        [[ggml_ref.vec_dot(ggml_type, raw[o], ggml_ref.quantize_row(ggml_type, x[t]), n_in) for o in range(n_out)] for t in range(5)],
+        [
+            [ggml_ref.vec_dot(ggml_type, raw[o], ggml_ref.quantize_row(ggml_type, x[t]), n_in) for o in range(n_out)]
+            for t in range(5)
+        ],
         dtype=np.float32,
     )
     scale = np.abs(want).max()
     got_c = np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x, raw))
-    if ggml_type in ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):  # the same float operations in the same order
+    if ggml_type in (
+        "Q8_0",
+        "Q4_0",
+        "Q5_0",
+        "Q4_1",
+        "Q5_1",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+    ):  # the same float operations in the same order
         assert np.array_equal(got_c, want)
         assert np.array_equal(np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x[:1], raw)), want[:1])  # decode
     assert np.abs(got_c - want).max() <= 2e-6 * scale
@@ -472,7 +502,10 @@ def test_one_token_offset_loops_are_ggml_vec_dot(ggml_ref, ggml_type, halves):
     n_out, n_in = 47, 256
     raw = quantize_array(rng.standard_normal((n_out, n_in)).astype(np.float32), ggml_type).reshape(n_out, -1)
     x = activations_with_outliers(rng, 1, n_in)
-    want = np.array([[ggml_ref.vec_dot(ggml_type, raw[o], ggml_ref.quantize_row(ggml_type, x[0]), n_in) for o in range(n_out)]], np.float32)
+    want = np.array(
+        [[ggml_ref.vec_dot(ggml_type, raw[o], ggml_ref.quantize_row(ggml_type, x[0]), n_in) for o in range(n_out)]],
+        np.float32,
+    )
     xv, wv = pt.matrix("x", dtype="float32"), pt.matrix("w", dtype="uint8", shape=raw.shape)
     got = pytensor.function([xv, wv], _OffsetLoop(ggml_type, n_out, n_in, halves)(xv, wv), mode=get_mode("c"))(x, raw)
     assert np.array_equal(np.asarray(got), want)
@@ -505,21 +538,44 @@ def test_ggml_numerics_equal_dequantize_then_matmul_of_rounded_activations(compi
             assert np.array_equal(np.stack([np.asarray(f(x[t : t + 1], raw))[0] for t in range(T)]), got)
 
 
-def test_ggml_numerics_on_jax_round_in_the_graph(compiled_ggml):
-    """JAX (and MLX) expand the ggml Op into the in-graph rounding followed by dequantize-then-matmul."""
-    pytest.importorskip("jax")
+@pytest.mark.parametrize("backend", ("jax", "mlx"))
+@pytest.mark.parametrize("ggml_type", SUPPORTED_TYPES)
+def test_ggml_numerics_on_jax_and_mlx_are_the_c_kernels(compiled_ggml, c_kernels_on, ggml_type, backend):
+    """JAX (an XLA custom call) and MLX (a call from its eager graph) multiply with the C kernels
+    (alchemist.kernels.jax_ffi, mlx_host): the C backend's products bit for bit, one row and a batch (the
+    K-quants' tiled path), the Op kept in the graph."""
+    c_kernels_on(backend)
+    n_out, n_in = 32, 256
+    rng = np.random.default_rng(7)
+    raw = random_blocks(rng, ggml_type, n_out, n_in)
+    x = activations_with_outliers(rng, 9, n_in)
+    fn, c_fn = compiled_ggml(backend, ggml_type, n_out, n_in), compiled_ggml("c", ggml_type, n_out, n_in)
+    assert any(isinstance(n.op, QuantizedMatmul) for n in fn.maker.fgraph.apply_nodes)
+    for rows in (x[:1], x):
+        got, want = np.asarray(fn(rows, raw)), np.asarray(c_fn(rows, raw))
+        assert np.array_equal(got, want), f"{np.sum(got != want)} of {want.size} differ"
+
+
+@pytest.mark.parametrize("backend", ("jax", "mlx"))
+def test_ggml_numerics_without_the_c_kernels_round_in_the_graph(compiled_ggml, backend):
+    """Without the C kernels (ALCHEMIST_JAX_FFI=0, ALCHEMIST_MLX_KERNELS=0, or no compiler) JAX and MLX expand
+    the ggml Op into the in-graph rounding followed by dequantize-then-matmul."""
+    pytest.importorskip(backend)
     from alchemist.kernels.activations import round_rows
 
     rng = np.random.default_rng(6)
     raw = random_blocks(rng, "Q4_K", 32, 256)
     x = activations_with_outliers(rng, 3, 256)
-    got = np.asarray(compiled_ggml("jax", "Q4_K", 32, 256)(x, raw))
-    assert_close(got, round_rows(x, "Q4_K"), raw, "Q4_K")
+    fn = compiled_ggml(f"{backend}-formula", "Q4_K", 32, 256)
+    assert not any(isinstance(n.op, QuantizedMatmul) for n in fn.maker.fgraph.apply_nodes)
+    assert_close(np.asarray(fn(x, raw)), round_rows(x, "Q4_K"), raw, "Q4_K")
 
 
 def test_ggml_numerics_rejects_unknown_mode():
     with pytest.raises(ValueError, match="numerics must be one of exact, ggml"):
-        quantized_linear(pt.matrix("x", dtype="float32"), pt.matrix("w", dtype="uint8"), "Q8_0", 32, 32, numerics="fast")
+        quantized_linear(
+            pt.matrix("x", dtype="float32"), pt.matrix("w", dtype="uint8"), "Q8_0", 32, 32, numerics="fast"
+        )
 
 
 @pytest.mark.parametrize("backend", ("c", "numba"))
@@ -586,15 +642,37 @@ def test_rms_norm_ggml_checks_its_weight():
         fn(np.ones((2, 4), np.float32), np.ones(3, np.float32))
 
 
-def test_rms_norm_ggml_on_jax_is_the_formula():
-    pytest.importorskip("jax")
+@pytest.mark.parametrize("backend", ("jax", "mlx"))
+@pytest.mark.parametrize("kernels", (True, False), ids=("kernels", "formula"))
+def test_rms_norm_ggml_on_jax_and_mlx(c_kernels_on, backend, kernels):
+    """JAX and MLX: ggml's loops through the C kernels (bit for bit); without them the float32 formula."""
     from alchemist.kernels.rms_norm import rms_norm_ggml
 
+    c_kernels_on(backend, kernels)
     x = np.random.default_rng(12).standard_normal((4, 64)).astype(np.float32)
     weight = np.linspace(-1, 2, 64, dtype=np.float32)
     v = pt.matrix("x", dtype="float32")
-    got = np.asarray(pytensor.function([v], rms_norm_ggml(v, 1e-5, weight), mode=get_mode("jax"))(x))
-    np.testing.assert_allclose(got, ggml_rms_norm_reference(x, 1e-5, weight), rtol=6e-7, atol=0)
+    for w in (weight, None):
+        got = np.asarray(pytensor.function([v], rms_norm_ggml(v, 1e-5, w), mode=get_mode(backend))(x))
+        want = ggml_rms_norm_reference(x, 1e-5, w)
+        if kernels:
+            assert np.array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=6e-7, atol=0)
+
+
+@pytest.mark.parametrize("backend", ("jax", "mlx"))
+def test_silu_and_gelu_ggml_on_jax_and_mlx_are_the_c_loops(c_kernels_on, backend):
+    """JAX and MLX call the C loops of ggml's SiLU and table GELU: the C backend's bits."""
+    from alchemist.kernels.gelu import gelu_table
+    from alchemist.kernels.silu import silu_ggml
+
+    c_kernels_on(backend)
+    x = (np.random.default_rng(13).standard_normal((3, 29)) * 6).astype(np.float32)  # 29: the scalar tail
+    v = pt.matrix("x", dtype="float32")
+    for fn in (silu_ggml, gelu_table):
+        got = np.asarray(pytensor.function([v], fn(v), mode=get_mode(backend))(x))
+        assert np.array_equal(got, pytensor.function([v], fn(v), mode=get_mode("c"))(x)), fn.__name__
 
 
 @pytest.mark.parametrize("n", (64, 4864, 29))  # 29: ggml's scalar tail (expf) after three vectors of 8

@@ -45,7 +45,14 @@ def test_every_model_loading_command_takes_numerics():
     from alchemist.cli import _numerics, build_parser
 
     parser = build_parser()
-    for command in (["run", "m"], ["chat", "m"], ["serve", "m"], ["validate", "m"], ["diff", "m"], ["perplexity", "m", "f"]):
+    for command in (
+        ["run", "m"],
+        ["chat", "m"],
+        ["serve", "m"],
+        ["validate", "m"],
+        ["diff", "m"],
+        ["perplexity", "m", "f"],
+    ):
         assert _numerics(parser.parse_args(command)) == "ggml"  # the default
         assert _numerics(parser.parse_args(command + ["--numerics", "exact"])) == "exact"
     for command in (["validate", "m"], ["diff", "m"], ["perplexity", "m", "f"]):  # the older flag still works
@@ -96,15 +103,20 @@ def test_ggml_numerics_reproduce_llamacpp(q4k_file, kernels):
     assert results["exact"]["prompt"]["logits_nmse"] >= 1e-6, results["exact"]["prompt"]
 
 
-@pytest.mark.parametrize("backend", ["c", "numba"])
+@pytest.mark.parametrize("backend", ["c", "numba", "jax", "mlx"])
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])  # SiLU / GELU, Q4_K and Q6_K weights
-def test_ggml_numerics_are_llamacpps_to_the_bit(fixture_files, arch, backend):
-    """On C and Numba, numerics="ggml" computes every op as llama.cpp's CPU backend does: the 14-token prompt (padded
-    to a bucket of 32: ggml's tiled K-quant order, which llama.cpp takes from 8 rows on) gives llama.cpp's logits bit
-    for bit, and so do the decode steps after it (T = 1: ggml's vec_dot order). Numba calls the C backend's code for
-    the products, RoPE, attention and SiLU (alchemist.kernels.native) and runs ggml's RMS norm loops itself."""
+def test_ggml_numerics_are_llamacpps_to_the_bit(fixture_files, c_kernels_on, arch, backend):
+    """On C, Numba and JAX, numerics="ggml" computes every op as llama.cpp's CPU backend does: the 14-token prompt
+    (padded to a bucket of 32: ggml's tiled K-quant order, which llama.cpp takes from 8 rows on) gives llama.cpp's
+    logits bit for bit, and so do the decode steps after it (T = 1: ggml's vec_dot order). Numba calls the C
+    backend's code for the products, RoPE, attention and SiLU (alchemist.kernels.native) and runs ggml's RMS norm
+    loops itself; JAX calls all of them as XLA custom calls, MLX from its eager graph (alchemist.kernels.jax_ffi,
+    mlx_host), their static-shape graphs attending over the whole cache."""
     from alchemist.harness import LlamaCppOracle
     from alchemist.harness.validate import load_for_validation
+
+    if backend in ("jax", "mlx"):
+        c_kernels_on(backend)
 
     path = str(fixture_files(arch, "Q4_K"))
     loaded = load_for_validation(path, numerics="ggml")
@@ -114,7 +126,9 @@ def test_ggml_numerics_are_llamacpps_to_the_bit(fixture_files, arch, backend):
         continuation = oracle.greedy(PROMPT, 3)
         steps = oracle.decode_steps(PROMPT, continuation)
     for i, token in enumerate(continuation):
-        assert np.array_equal(np.asarray(engine.run([token], len(PROMPT) + i)).reshape(-1), steps[i]), f"decode step {i}"
+        assert np.array_equal(
+            np.asarray(engine.run([token], len(PROMPT) + i)).reshape(-1), steps[i]
+        ), f"decode step {i}"
 
 
 def test_a_shared_engine_must_compute_with_the_files_numerics(fixture_files):
@@ -126,7 +140,6 @@ def test_a_shared_engine_must_compute_with_the_files_numerics(fixture_files):
     engine = Engine(q8.module, q8.weights_for("c", False), "c", CONTEXT)
     with pytest.raises(AlchemistError, match="numerics='ggml' for its own file's weight types"):
         validate_backend(q4, "c", None, PROMPT, 0, CONTEXT, engine=engine, quantized=False)
-
 
 
 @pytest.mark.parametrize("backend", ("c", "numba"))

@@ -54,8 +54,9 @@ def test_another_pytensor_series_warns_once_and_is_not_tested(monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(internals.SYMBOLS))
 def test_symbol_exists(name):
-    if internals.SYMBOLS[name][0].startswith(("numba", "pytensor.link.numba")):
-        pytest.importorskip("numba")
+    for package in ("numba", "jax", "mlx"):
+        if internals.SYMBOLS[name][0].startswith((package, f"pytensor.link.{package}")):
+            pytest.importorskip(package)
     assert getattr(internals, name) is not None
 
 
@@ -69,7 +70,12 @@ def test_clinker_methods_alchemist_wraps_and_calls():
 
     CLinker = internals.CLinker
     assert _params(CLinker.cthunk_factory)[:6] == [
-        "self", "error_storage", "in_storage", "out_storage", "storage_map", "cache"
+        "self",
+        "error_storage",
+        "in_storage",
+        "out_storage",
+        "storage_map",
+        "cache",
     ]
     assert _params(CLinker.compile_cmodule)[:2] == ["self", "location"]
     fn = _c_function()
@@ -96,7 +102,14 @@ def test_clinker_methods_alchemist_wraps_and_calls():
 
 def test_c_thunk_and_make_c_thunk():
     assert _params(internals.COp.make_c_thunk) == ["self", "node", "storage_map", "compute_map", "no_recycling"]
-    assert _params(internals.CThunk.__init__)[:6] == ["self", "cthunk", "init_tasks", "tasks", "error_storage", "module"]
+    assert _params(internals.CThunk.__init__)[:6] == [
+        "self",
+        "cthunk",
+        "init_tasks",
+        "tasks",
+        "error_storage",
+        "module",
+    ]
     assert _params(internals.CThunk.find_task) == ["self", "failure_code"]
     fn = _c_function()
     assert fn.vm.nodes and all(hasattr(n, "op") for n in fn.vm.nodes)  # the graph cache records these
@@ -110,8 +123,14 @@ def test_function_maker_as_the_graph_cache_and_views_use_it():
     )
     assert _params(FunctionMaker.create)[:2] == ["self", "input_storage"]
     assert isinstance(inspect.getattr_static(FunctionMaker, "create_fgraph"), staticmethod)
-    assert _params(FunctionMaker.prepare_fgraph)[:6] == ["inputs", "outputs", "additional_outputs", "fgraph", "mode",
-                                                          "profile"]
+    assert _params(FunctionMaker.prepare_fgraph)[:6] == [
+        "inputs",
+        "outputs",
+        "additional_outputs",
+        "fgraph",
+        "mode",
+        "profile",
+    ]
     maker = _c_function().maker
     for attr in ("fgraph", "inputs", "outputs", "unpack_single", "return_none"):
         assert hasattr(maker, attr), attr
@@ -164,6 +183,36 @@ def test_numba_internals():
     assert call(np.int64(3)) == 6
     fn = internals.numba_external_function("alchemist_no_such_symbol", types.int32(types.int32))
     assert fn.symbol == "alchemist_no_such_symbol"
+
+
+def test_mlx_linker_as_mlx_host_subclasses_it():
+    """kernels.mlx_host's linker turns `use_compile` off in `jit_compile(fn)` for a graph calling C; PyTensor
+    makes a linker per function with `type(self)(allow_gc=...)` and keeps the graph in `fgraph`."""
+    pytest.importorskip("mlx")
+    import pytensor
+    import pytensor.tensor as pt
+
+    from alchemist.kernels import mlx_host
+    from alchemist.kernels.silu import silu_ggml
+    from alchemist.runtime.backends import get_mode
+
+    assert _params(internals.MLXLinker.jit_compile) == ["self", "fn"]
+    assert _params(internals.MLXLinker.__init__)[:2] == ["self", "use_compile"]
+    assert internals.MLXLinker(allow_gc=False).use_compile
+    x = pt.vector("x", dtype="float32")
+    plain = pytensor.function([x], pt.exp(x), mode=get_mode("mlx"))
+    assert plain.maker.linker.use_compile and plain.maker.linker.fgraph is plain.maker.fgraph
+    if mlx_host.available():
+        calling_c = pytensor.function([x], silu_ggml(x), mode=get_mode("mlx"))
+        assert not calling_c.maker.linker.use_compile
+        assert np.asarray(calling_c(np.float32([0.5, -2.0])))[1] < 0
+
+
+def test_jax_and_mlx_dispatch_registration():
+    for package, name in (("jax", "jax_funcify"), ("mlx", "mlx_funcify")):
+        if __import__("importlib").util.find_spec(package) is None:
+            continue
+        assert hasattr(getattr(internals, name), "register"), name  # a functools.singledispatch
 
 
 # the modules and private names alchemist may import only in pytensor_internals.py

@@ -89,6 +89,11 @@ def test_engine_runs_on_the_mapped_weights_without_copying(q8_module, backend):
 def test_weight_formats_and_defaults():
     assert default_weights("c") == default_weights("numba") == "quantized"
     assert default_weights("jax") == default_weights("mlx") == "float32"
+    from alchemist.kernels import jax_ffi, mlx_host
+
+    for backend, kernels in (("jax", jax_ffi), ("mlx", mlx_host)):  # numerics="ggml" multiplies with the C kernels
+        if importlib.util.find_spec(backend) is not None and kernels.available():
+            assert default_weights(backend, "ggml") == check_weights(None, backend, "ggml") == "quantized"
     assert check_weights(None, "mlx") == "float32" and check_weights("quantized", "mlx") == "quantized"
     with pytest.raises(AlchemistError, match="unknown weights 'int4'"):
         check_weights("int4", "c")

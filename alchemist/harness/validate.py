@@ -59,7 +59,7 @@ class LoadedForValidation:
     def weights_for(self, backend: str, quantized: bool | None = None) -> dict:
         """The weights as `backend` runs them: GGUF blocks for the kernel backends (C, Numba), else float32
         (quantized=False forces float32 weights)."""
-        quantized = uses_quantized_kernels(backend) and quantized is not False
+        quantized = uses_quantized_kernels(backend, numerics=self.numerics) and quantized is not False
         if quantized not in self._weights:
             self._weights[quantized] = self.module.load_weights(self.path, quantized=quantized)
         return self._weights[quantized]

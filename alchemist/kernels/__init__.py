@@ -22,8 +22,10 @@ Per backend (Ops `QuantizedMatmul`, `QuantizedEmbedding`):
             code (alchemist/kernels/native.py); without a C++ compiler (or ALCHEMIST_NUMBA_NATIVE=0) its own
             njit(parallel=True) drivers per type, prange over output rows; T >= 16: panels + np.dot
             (alchemist/kernels/numba_kernels.py); registered with PyTensor's Numba dispatch on first use
-  JAX, MLX  rewritten (rewrite tagged "jax"/"mlx" only) into plain PyTensor ops: dot(x, dequantize_rows(w).T)
-            - correct, but dequantizes the whole weight on every call
+  JAX, MLX  numerics="ggml": the C kernels above, JAX's as XLA custom calls (alchemist/kernels/jax_ffi.py), MLX's
+            called from its graph run uncompiled (alchemist/kernels/mlx_host.py); numerics="exact" (and "ggml"
+            without a C++ compiler): rewritten (rewrite tagged "jax"/"mlx" only) into plain PyTensor ops:
+            dot(x, dequantize_rows(w).T) - correct, but dequantizes the whole weight on every call
   other     `perform`: gguf-py's numpy dequantizer, then a numpy dot
 
 Two numerics (the `numerics=` keyword of quantized_linear / quantized_expert_linear):
@@ -34,7 +36,8 @@ Two numerics (the `numerics=` keyword of quantized_linear / quantized_expert_lin
                         block for the 32-blocks at every T; vec_dot_q*_K_q8_K below 8 rows and ggml's tiled K-quant
                         matmul from 8 rows on for Q4_K/Q5_K/Q6_K: llama.cpp's products bit for bit (Q2_K/Q3_K
                         and MXFP4 float32 eps apart; Q2_K/Q3_K at T >= 16 through the exact path's float kernel)
-           Numba        the C kernels (the same products); with its own kernels, as JAX and MLX:
+           Numba, JAX, MLX  the C kernels (the same products); Numba with its own kernels, and JAX and MLX
+                        without the C kernels:
            Numba, JAX, MLX  dequant(quant(x)) (alchemist.kernels.activations / graph_rounding), then the exact
                         product; Q4_1/Q5_1 differ from ggml in the offset term (~1e-3 relative), which ggml takes
                         from Q8_1's fp16 block sum

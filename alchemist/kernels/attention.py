@@ -25,9 +25,10 @@ keys only. The library was compiled for AVX2 + FMA (this machine; `objdump -d li
 AVX-512 would take other lanes. The C code writes every fma as fmaf() and is compiled with -ffp-contract=off.
 
 C runs the loops (OpenMP over query rows), and Numba calls the same C code (kernels.numba_ops); `perform` and
-the tests use the numpy transcription `attention_ggml_reference`; JAX and MLX get the generated module's float32
-formula as PyTensor ops (`expand_causal_attention_ggml`, tagged "jax" and "mlx"; on Numba too when the ops library
-cannot be built), which equals this up to rounding.
+the tests use the numpy transcription `attention_ggml_reference`; JAX and MLX call the C code too (kernels.jax_ffi,
+mlx_host). Without it they get the generated module's float32 formula as PyTensor ops
+(`expand_causal_attention_ggml`, tagged "jax" and "mlx"; on Numba when the ops library cannot be built), which
+equals this up to rounding.
 """
 
 from __future__ import annotations

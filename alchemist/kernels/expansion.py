@@ -5,9 +5,54 @@ from __future__ import annotations
 
 def register_expansion(name: str, *rewriters, backends: tuple[str, ...] = ("numba", "jax", "mlx")) -> None:
     """Register `rewriters` (node rewriters) under `name` in PyTensor's optdb for `backends` (idempotent), at
-    position 0.9: before canonicalize (1), so the expanded graph is rewritten like any other."""
+    position 0.9: before canonicalize (1), so the expanded graph is rewritten like any other. On JAX and MLX a
+    node their kernels compute (`kernels_compute`: alchemist.kernels.jax_ffi, mlx_host) is left as it is."""
     from pytensor.compile.mode import optdb
     from pytensor.graph.rewriting.basic import in2out
 
-    if name not in optdb:
-        optdb.register(name, in2out(*rewriters), *backends, position=0.9)
+    if name in optdb or any(f"{name}_{b}" in optdb for b in backends):
+        return
+    for backend in backends:
+        if backend in ("jax", "mlx"):
+            expanders = [_unless_kernels(backend, r) for r in rewriters]
+            optdb.register(f"{name}_{backend}", in2out(*expanders), backend, position=0.9)
+    others = tuple(b for b in backends if b not in ("jax", "mlx"))
+    if others:
+        optdb.register(name, in2out(*rewriters), *others, position=0.9)
+
+
+def is_ggml_kernel_node(node) -> bool:
+    """True for the Ops numerics="ggml" computes in C (their C code, which JAX and MLX call too): a QuantizedMatmul
+    with numerics="ggml", RmsNormGgml, RopeCacheGgml, RopeGgml, CausalAttentionGgml, SiluGgml, GeluTable."""
+    from alchemist.kernels.attention import CausalAttentionGgml
+    from alchemist.kernels.gelu import GeluTable
+    from alchemist.kernels.op import QuantizedMatmul
+    from alchemist.kernels.rms_norm import RmsNormGgml
+    from alchemist.kernels.rope import RopeCacheGgml, RopeGgml
+    from alchemist.kernels.silu import SiluGgml
+
+    op = node.op
+    if isinstance(op, QuantizedMatmul):
+        return op.numerics == "ggml"
+    return isinstance(op, (RmsNormGgml, RopeCacheGgml, RopeGgml, CausalAttentionGgml, SiluGgml, GeluTable))
+
+
+def kernels_compute(backend: str, node) -> bool:
+    """True when `backend` (jax, mlx) computes `node` by alchemist's C code rather than by its formula."""
+    if backend == "jax":
+        from alchemist.kernels import jax_ffi
+
+        return jax_ffi.handles(node)
+    from alchemist.kernels import mlx_host
+
+    return mlx_host.handles(node)
+
+
+def _unless_kernels(backend: str, rewriter):
+    from pytensor.graph.rewriting.basic import node_rewriter
+
+    @node_rewriter(rewriter.tracks())
+    def expand_unless_kernels(fgraph, node):
+        return None if kernels_compute(backend, node) else rewriter.transform(fgraph, node)
+
+    return expand_unless_kernels

@@ -7,8 +7,8 @@
 The numerics="ggml" modules use it for their gelu(): it is what llama.cpp computes, and on C a table read is
 ~10x cheaper than the float tanh of the exact path (a 128-token gemma prefill spent a fifth of its time in
 the tanh GELU). C: one loop over the elements with the table built once per process; Numba calls the same C
-(kernels.numba_ops). JAX and MLX: the same values as PyTensor ops (`gelu_fp16_table`, via a rewrite tagged "jax"
-and "mlx"; on Numba too when the ops library cannot be built).
+(kernels.numba_ops), and so do JAX and MLX (kernels.jax_ffi, mlx_host). Without those libraries: the same values as
+PyTensor ops (`gelu_fp16_table`, via a rewrite tagged "jax" and "mlx"; on Numba too).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The C kernels as one shared library, for a backend that calls native code itself (Numba).
+"""The C kernels as shared libraries, for the backends that call native code themselves (Numba; JAX and MLX for
+numerics="ggml": alchemist.kernels.jax_ffi, mlx_host).
 
 The C backend compiles `c_kernels.C_SOURCE` into the PyTensor module of each QuantizedMatmul. The Numba backend
 calls the very same kernels: `matmul_kernel()` builds C_SOURCE once per machine into a shared library with one
@@ -127,16 +128,25 @@ def _library(source: str, command: list[str], version: str) -> tuple[Path, str]:
     return library, key
 
 
+def _compiler_version(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+
+
+def matmul_library(cxx: str) -> tuple[Path, str, str]:
+    """(path, entry point's symbol, key) of the matmul library, built with `cxx` unless it is in the cache."""
+    probe = hashlib.sha256(C_SOURCE.encode() + _ENTRY.encode()).hexdigest()[:16]
+    name = f"alchemist_matmul_{probe}"
+    library, key = _library(_source(name), _command(cxx), _compiler_version(cxx))
+    return library, name, key
+
+
 def _load(cxx: str):
     from llvmlite import binding
     from numba import types
 
     from alchemist.runtime.pytensor_internals import numba_external_function
 
-    probe = hashlib.sha256(C_SOURCE.encode() + _ENTRY.encode()).hexdigest()[:16]
-    name = f"alchemist_matmul_{probe}"
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    library, key = _library(_source(name), _command(cxx), version)
+    library, name, key = matmul_library(cxx)
     binding.load_library_permanently(str(library))
     sig = types.int32(
         types.int32, types.int32, types.uintp, types.int64, types.int64, types.uintp, types.int64, types.uintp
@@ -197,22 +207,34 @@ def _ops_built():
     return _build_or_warn(_ops_load, "Numba computes RoPE, attention, SiLU and GELU as PyTensor ops")
 
 
-def _ops_load(cxx: str):
-    from llvmlite import binding
-    from numba import types
-
+def ops_flags() -> list[str]:
+    """The flags the C backend builds these Ops with: PyTensor's (-march=...), OpenMP, no FMA contraction."""
     from alchemist.kernels.op import _openmp_flags
-    from alchemist.runtime.pytensor_internals import GCC_compiler, numba_external_function
+    from alchemist.runtime.pytensor_internals import GCC_compiler
+
+    return [*GCC_compiler.compile_args(), *_openmp_flags(), "-O3", "-ffp-contract=off", "-fno-fast-math"]
+
+
+def ops_library(cxx: str) -> tuple[Path, str, str]:
+    """(path, the entry points' symbol prefix, key) of the ops library, built with `cxx` unless it is cached."""
+    from alchemist.kernels.op import _openmp_flags
 
     body = _ops_source()
     prefix = f"alchemist_ops_{hashlib.sha256((body + _OPS_ENTRIES).encode()).hexdigest()[:16]}"
     source = body + _OPS_ENTRIES.format(p=prefix)
-    # the flags the C backend builds these Ops with: PyTensor's (-march=...), OpenMP, no FMA contraction
-    flags = [*GCC_compiler.compile_args(), *_openmp_flags(), "-O3", "-ffp-contract=off", "-fno-fast-math"]
     libs = ["-lgomp"] if _openmp_flags() else []
-    command = [cxx, "-shared", *flags, "-o", "k.so", "k.cpp", *libs]
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    library, key = _library(source, command, version)
+    command = [cxx, "-shared", *ops_flags(), "-o", "k.so", "k.cpp", *libs]
+    library, key = _library(source, command, _compiler_version(cxx))
+    return library, prefix, key
+
+
+def _ops_load(cxx: str):
+    from llvmlite import binding
+    from numba import types
+
+    from alchemist.runtime.pytensor_internals import numba_external_function
+
+    library, prefix, key = ops_library(cxx)
     binding.load_library_permanently(str(library))
     i64, f32, ptr = types.int64, types.float32, types.uintp
     sigs = {
@@ -223,6 +245,26 @@ def _ops_load(cxx: str):
         "gelu": types.void(ptr, ptr, i64),
     }
     return {name: numba_external_function(f"{prefix}_{name}", sig) for name, sig in sigs.items()}, int(key[:12], 16)
+
+
+_RMS_NORM_ENTRY = """
+extern "C" __attribute__((visibility("default"))) void {p}(uintptr_t x, uintptr_t w, uintptr_t y, long long rows,
+                                                          long long n, float eps) {{
+    alchemist_rms_norm::apply((const float *)x, (const float *)w, (float *)y, rows, n, eps);
+}}
+"""
+
+
+def rms_norm_library(cxx: str) -> tuple[Path, str, str]:
+    """(path, entry point's symbol, key) of ggml's RMS norm loops (alchemist.kernels.rms_norm, the C Op's code) as a
+    library of their own, with the ops' flags, for a backend calling C from Python (MLX)."""
+    from alchemist.kernels.rms_norm import RMS_NORM_C
+
+    name = f"alchemist_rms_norm_{hashlib.sha256((RMS_NORM_C + _RMS_NORM_ENTRY).encode()).hexdigest()[:16]}"
+    source = "#include <stdint.h>\n" + RMS_NORM_C + _RMS_NORM_ENTRY.format(p=name)
+    command = [cxx, "-shared", *ops_flags(), "-o", "k.so", "k.cpp"]
+    library, key = _library(source, command, _compiler_version(cxx))
+    return library, name, key
 
 
 def register_numba_expansion(name: str, rewriter) -> None:

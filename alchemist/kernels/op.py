@@ -535,7 +535,8 @@ def round_for(op, x):
 
 @node_rewriter([QuantizedMatmul])
 def expand_quantized_matmul(fgraph, node):
-    """For backends without a kernel (JAX, MLX): QuantizedMatmul -> dequantize_then_dot."""
+    """For backends without a kernel (JAX, MLX; with numerics="ggml" only without the C kernels, see
+    kernels.expansion): QuantizedMatmul -> dequantize_then_dot."""
     op = node.op
     x, w = node.inputs
     new = dequantize_then_dot(round_for(op, x), w, op.ggml_type, op.n_out, op.n_in)

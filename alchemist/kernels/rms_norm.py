@@ -11,7 +11,8 @@ canonicalizer rewrites it into x / sqrt(sum · (1/n) + eps), folding any scale o
 into the same fused division: the result differs from ggml's in the last bit for about half the elements, and
 a last-bit change in an activation flips its Q8 rounding now and then (~1e-7 NMSE on the next matmul). The
 numerics="ggml" modules use this Op, which the rewrites cannot see into. C and Numba run the loops above;
-JAX and MLX get the float32 formula as PyTensor ops (`expand_rms_norm_ggml`, tagged "jax" and "mlx").
+JAX and MLX call the C loops (kernels.jax_ffi, mlx_host), or without them get the float32 formula as PyTensor ops
+(`expand_rms_norm_ggml`, tagged "jax" and "mlx").
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ def rms_norm_formula(x, eps: float, weight=None):
 
 
 def rms_norm_ggml(x, eps: float, weight=None):
-    """ggml's rms_norm of x over its last axis, times `weight` if given: the Op on C and Numba, PyTensor ops on
-    JAX/MLX."""
+    """ggml's rms_norm of x over its last axis, times `weight` if given (the Op; its formula on JAX and MLX
+    without the C kernels)."""
     return RmsNormGgml(eps)(x) if weight is None else RmsNormGgml(eps, weighted=True)(x, weight)
 
 

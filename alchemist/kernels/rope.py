@@ -23,9 +23,9 @@ The generated modules compute the angle as p · (scale · base^(-2i/n)) with num
 precomputed product, and cos/sin in PyTensor: ~30% of the rotated values differ from llama.cpp's by ulps. The
 numerics="ggml" copies use these Ops: `RopeCacheGgml` turns positions into ggml's (T, n_dims/2, 2) cache,
 `RopeGgml` rotates (T, heads, head_dim) with it. On C both are loops with fmaf written out (compiled with
--ffp-contract=off, so the compiler's flags cannot change them). Numba calls the same C code (kernels.numba_ops).
-JAX and MLX get the float32 formula as PyTensor ops (`expand_rope_ggml`, a rewrite tagged "jax" and "mlx"; on
-Numba too when the ops library cannot be built): their cos/sin are not glibc's.
+-ffp-contract=off, so the compiler's flags cannot change them). Numba, JAX and MLX call the same C code
+(kernels.numba_ops, jax_ffi, mlx_host). Without it they get the float32 formula as PyTensor ops (`expand_rope_ggml`,
+a rewrite tagged "jax" and "mlx"; on Numba when the ops library cannot be built): their cos/sin are not glibc's.
 """
 
 from __future__ import annotations
@@ -404,7 +404,7 @@ def rope_formula(x, cache, style: str, n_dims: int):
 
 
 def rope_cache_ggml(positions, n_dims: int, freq_base: float, freq_factors=None, **params):
-    """ggml's (T, n_dims/2, 2) (cos, sin) cache at `positions`: the Op on C, PyTensor ops on Numba/JAX/MLX."""
+    """ggml's (T, n_dims/2, 2) (cos, sin) cache at `positions` (the Op; its formula where no C code runs it)."""
     return RopeCacheGgml(n_dims, freq_base, **params)(positions, freq_factors)
 
 

@@ -8,8 +8,8 @@ Along each row (the last axis) ggml takes the elements in vectors of 8 and a sca
 ggml's SwiGLU multiplies that by the up projection in a separate float32 product, so silu(gate) * up as the
 generated modules write it is ggml's swiglu once silu() is this. The numerics="ggml" modules use it for their
 silu(). C runs the loops (ggml_v_expf eight lanes at a time on AVX2 + FMA, lane by lane elsewhere; shared with
-kernels.attention) and Numba calls them (kernels.numba_ops); `perform` is the numpy transcription; JAX and MLX
-get the generated module's x · sigmoid(x) (equal up to rounding).
+kernels.attention) and Numba, JAX and MLX call them (kernels.numba_ops, jax_ffi, mlx_host); `perform` is the numpy
+transcription; without the C kernels JAX and MLX get the generated module's x · sigmoid(x) (equal up to rounding).
 """
 
 from __future__ import annotations

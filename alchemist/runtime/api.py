@@ -184,8 +184,9 @@ def load_llm(
 
     weights: "quantized" keeps quantized tensors in their GGUF blocks (on C and Numba, read-only views of the
     file's memory map: no copy); "float32" dequantizes them once at load. None: the backend's default
-    (alchemist.runtime.backends.default_weights: quantized on C and Numba, float32 on JAX and MLX, where the
-    quantized graph dequantizes every weight on every step: less steady memory, much slower decoding).
+    (alchemist.runtime.backends.default_weights: quantized on C and Numba, and on JAX with numerics="ggml",
+    whose custom calls are the C kernels; float32 on MLX and exact JAX, where the quantized graph dequantizes
+    every weight on every step: less steady memory, much slower decoding).
     numerics: "ggml" (default) computes as llama.cpp's CPU backend does (activations rounded to each weight's
     vec_dot_type, ggml's GELU table), "exact" multiplies exact activations (alchemist.runtime.numerics); the
     model's `module` stays the generated module (what alchemist.symbolic differentiates), `engine.module` is
@@ -197,7 +198,7 @@ def load_llm(
 
     require_backend(backend)
     check_numerics(numerics)
-    weights_format = check_weights(weights, backend)
+    weights_format = check_weights(weights, backend, numerics)
     t0 = time.perf_counter()
     path = resolve_model(path)  # a file, or a reference model's name ("gemma-3-270m")
     facts = read_gguf(path)

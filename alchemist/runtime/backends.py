@@ -134,6 +134,15 @@ def get_mode(name: str):
         mode = Mode(linker="cvm", optimizer="fast_run").including(rewrites.TAG)
     else:
         mode = pytensor_mode({"numba": "NUMBA", "jax": "JAX", "mlx": "MLX"}[name])
+        if name == "jax":  # the ggml Ops as custom calls (used where the library built: kernels.jax_ffi.handles)
+            from alchemist.kernels import jax_ffi
+
+            jax_ffi.register()
+        if name == "mlx":  # the ggml Ops as calls into C, run uncompiled (kernels.mlx_host)
+            from alchemist.kernels import mlx_host
+
+            mlx_host.register()
+            mode = Mode(linker=mlx_host.linker_class()(), optimizer=mode.provided_optimizer)
         # Numba compiles each distinct fused Composite too; JAX and MLX fuse on their own
         mode = mode.including(rewrites.TAG) if name == "numba" else mode
     return mode.excluding(*UNUSED_REWRITES)
@@ -153,29 +162,40 @@ def static_shapes(name: str) -> bool:
 # Backends that multiply quantized weights in their GGUF blocks (alchemist.kernels' C and Numba kernels).
 KERNEL_BACKENDS = ("c", "numba")
 # How load_llm holds the KERNEL_WEIGHTS: "quantized" (GGUF blocks: on C and Numba read-only views of the file's
-# memory map, on JAX and MLX a copy in the framework's memory, dequantized inside every step's graph) or
-# "float32" (dequantized once at load time, ~4-7x the bytes).
+# memory map, on JAX and MLX a copy in the framework's memory) or "float32" (dequantized once at load time, ~4-7x
+# the bytes).
 WEIGHT_FORMATS = ("quantized", "float32")
 
 
-def default_weights(name: str) -> str:
-    """The weight format a backend gets unless asked: "quantized" where kernels multiply GGUF blocks; "float32"
-    on JAX and MLX, where the graph dequantizes every weight on every step: on gemma-3-270m (benchmarks/memory.py)
+def default_weights(name: str, numerics: str = "exact") -> str:
+    """The weight format a backend gets unless asked: "quantized" where kernels multiply GGUF blocks (C, Numba;
+    JAX and MLX with numerics="ggml", which call the C kernels: alchemist.kernels.jax_ffi, mlx_host); "float32"
+    elsewhere, where the graph would dequantize every weight on every step: on gemma-3-270m (benchmarks/memory.py)
     decoding was 2-5x (JAX) and 10-12x (MLX) slower, and peak RSS hardly lower (the dequantized temporaries of a
     prefill step are float32 weights again: JAX 1.9 GB vs 2.2, MLX 2.3 GB vs 2.2), though steady RSS is lower."""
-    return "quantized" if name in KERNEL_BACKENDS else "float32"
+    if name in KERNEL_BACKENDS:
+        return "quantized"
+    if name == "jax" and numerics == "ggml":
+        from alchemist.kernels import jax_ffi
+
+        return "quantized" if jax_ffi.available() else "float32"
+    if name == "mlx" and numerics == "ggml":
+        from alchemist.kernels import mlx_host
+
+        return "quantized" if mlx_host.available() else "float32"
+    return "float32"
 
 
-def check_weights(weights: str | None, backend: str) -> str:
-    """`weights` ("quantized", "float32", or None for the backend's default), checked."""
+def check_weights(weights: str | None, backend: str, numerics: str = "exact") -> str:
+    """`weights` ("quantized", "float32", or None for the backend's default with `numerics`), checked."""
     if weights is None:
-        return default_weights(backend)
+        return default_weights(backend, numerics)
     if weights not in WEIGHT_FORMATS:
         raise AlchemistError(f"unknown weights {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
     return weights
 
 
-def uses_quantized_kernels(name: str, weights: str | None = None) -> bool:
+def uses_quantized_kernels(name: str, weights: str | None = None, numerics: str = "exact") -> bool:
     """True when `name` should load weights with load_weights(..., quantized=True) (for `weights`, or the
-    backend's default format)."""
-    return check_weights(weights, name) == "quantized"
+    backend's default format with `numerics`)."""
+    return check_weights(weights, name, numerics) == "quantized"

@@ -98,6 +98,14 @@ def step_key(module_sha256: str, backend: str, mode, shared: dict, spec: dict) -
         from alchemist.kernels.native import ops_kernels
 
         facts["numba_ops_library"] = ops_kernels() is not None
+    if backend == "jax":  # whether JAX calls the ggml kernels or got their formulas (kernels.jax_ffi)
+        from alchemist.kernels import jax_ffi
+
+        facts["jax_ffi"] = jax_ffi.available()
+    if backend == "mlx":  # whether MLX calls the ggml kernels or got their formulas (kernels.mlx_host)
+        from alchemist.kernels import mlx_host
+
+        facts["mlx_kernels"] = mlx_host.available()
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -4,8 +4,9 @@
   weight. Differentiable; the reference for gradients (alchemist.symbolic).
 - "ggml" (the default): what llama.cpp's CPU backend computes. ggml-cpu multiplies a weight of type T by first
   converting each activation row to T's `vec_dot_type` (ggml-cpu.c, type_traits_cpu), then summing integer
-  products block by block, which equals dequant(W) · dequant(quant(x)) up to float32 summation order (on C the
-  kernels take ggml's own order, so the products are llama.cpp's bit for bit; alchemist.kernels.c_kernels):
+  products block by block, which equals dequant(W) · dequant(quant(x)) up to float32 summation order (the C
+  kernels take ggml's own order, so the products are llama.cpp's bit for bit; alchemist.kernels.c_kernels; C,
+  Numba, JAX and MLX all compute with them, alchemist.kernels.native, jax_ffi, mlx_host):
   - Q8_0 (blocks of 32, scale max|x|/127 stored as fp16, x·127/max rounded to nearest even: the AVX2
     quantize_row_q8_0) for Q4_0, Q5_0, Q8_0 and MXFP4; Q8_1 (the same values plus block sums) for Q4_1, Q5_1;
   - Q8_K (blocks of 256, float32 scale: quantize_row_q8_K_ref, iscale = -127/max where max is the element of
@@ -20,7 +21,7 @@
 Generated modules never change: `with_numerics(module, "ggml")` returns a fresh copy of the module whose
 kernels, project(), gelu(), silu(), rms_norm(), rope_angles()/rope() and causal_attention() compute that way: the kernels
 with numerics="ggml" for weights in GGUF blocks, alchemist.kernels.graph_rounding before the float32 product for
-weights held as float32 (F16/F32 tensors; every weight on JAX/MLX by default), alchemist.kernels.gelu's table
+weights held as float32 (F16/F32 tensors; every weight when asked for weights="float32"), alchemist.kernels.gelu's table
 GELU, alchemist.kernels.silu's SiLU, alchemist.kernels.rms_norm's norm, alchemist.kernels.rope's RoPE and alchemist.kernels.attention's
 attention. The copy is re-snapshotted under a source hash of its own, so its step graphs go to (and load from) the
 on-disk graph cache like the exact module's, under other keys.
@@ -132,7 +133,7 @@ def with_numerics(module: ModuleType, numerics: str = DEFAULT) -> ModuleType:
     if expert_linear is not None:
         copy.quantized_expert_linear = expert_linear
 
-    # a weight held as float32 (F16/F32 tensors; every tensor on JAX/MLX) goes through linear(): its input is
+    # a weight held as float32 (F16/F32 tensors; every tensor with weights="float32") goes through linear(): its input is
     # rounded here; GGUF blocks (uint8) go to the kernel above, which rounds its own input
     exact_project = copy.project
 

@@ -82,6 +82,13 @@ SYMBOLS: dict[str, tuple[str, str, str]] = {
         "_launch_threads",
         "Numba's own prange kernels start its threading layer (a graph loaded from cache does not)",
     ),
+    "jax_funcify": ("pytensor.link.jax.dispatch", "jax_funcify", "registers the ggml kernels' JAX custom calls"),
+    "mlx_funcify": ("pytensor.link.mlx.dispatch", "mlx_funcify", "registers the ggml kernels' MLX host calls"),
+    "MLXLinker": (
+        "pytensor.link.mlx.linker",
+        "MLXLinker",
+        "kernels.mlx_host subclasses it: jit_compile skips mx.compile (use_compile) for a graph calling C",
+    ),
     "numba_external_function": (
         "numba.core.types",
         "ExternalFunction",
