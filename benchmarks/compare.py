@@ -14,8 +14,8 @@ is reported separately and excluded from prefill/decode rates; its compiled func
 "decode % of BW" is each engine's decode speed as a fraction of this machine's memory-bandwidth limit:
 decoding one token reads every weight once, so it cannot be faster than (bytes of weights read per token) /
 (memory read bandwidth). Bytes per token sum the tensors a decode step reads, as that engine stores them:
-GGUF block bytes for llama.cpp and alchemist's kernel backends (c, numba); float32 for JAX and MLX, which
-get dequantized weights. A token-embedding (or position-embedding) table counts one row, except a tied
+GGUF block bytes for llama.cpp and wherever alchemist multiplies GGUF blocks (c, numba; jax and mlx with ggml
+numerics, which call the same C kernels); float32 where it holds dequantized weights (jax and mlx, exact). A token-embedding (or position-embedding) table counts one row, except a tied
 output's table, which the output projection reads in full; MoE expert tensors count n_expert_used of
 n_expert. The bandwidth is measured here, with numpy: a buffer of exactly that many bytes (filled, so its
 pages are resident) is cut into --threads slices, each summed as uint64 by its own thread (numpy releases
@@ -247,8 +247,13 @@ def main(argv=None) -> int:
     # the memory-bandwidth limit, measured once per distinct weight size (GGUF blocks, float32)
     from alchemist.runtime.backends import uses_quantized_kernels
 
+    from alchemist.runtime.numerics import DEFAULT as DEFAULT_NUMERICS
+
     def stores_blocks(label: str) -> bool:
-        return label == "llama.cpp" or uses_quantized_kernels(label.split()[0])
+        if label == "llama.cpp":
+            return True
+        backend, *mode = label.split()  # "jax ggml": JAX multiplies GGUF blocks with the C kernels
+        return uses_quantized_kernels(backend, numerics=mode[0] if mode else DEFAULT_NUMERICS)
 
     per_token = {blocks: weight_bytes_per_token(path, float32=not blocks) for blocks in {stores_blocks(k) for k in runs}}
     bandwidth = {blocks: read_bandwidth(n, args.threads) for blocks, n in per_token.items()}
