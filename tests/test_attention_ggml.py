@@ -60,6 +60,17 @@ def _case(rng, n_seq, n_tok, n_keys, n_head, n_kv_head, dim, empty_rows=0):
     return [q, k, v, q_pos, k_pos]
 
 
+def _run_cases(fn, rng, name):
+    """For each case of CASES[name]: (case, args, fn(*args), attention_ggml_reference(*args, ...))."""
+    (n_head, n_kv_head, dim, window, scale, softcap, has_sinks), cases = CASES[name]
+    for case in cases:
+        args = _case(rng, *case[:3], n_head, n_kv_head, dim, case[3])
+        if has_sinks:
+            args.append(rng.standard_normal(n_head).astype(np.float32))
+        want = attention_ggml_reference(*args[:5], window, scale, softcap, args[5] if has_sinks else None)
+        yield case, args, np.asarray(fn(*args)), want
+
+
 # (props, cases): props (n_head, n_kv_head, head_dim, window, scale, softcap, sinks); cases (B, T, S, empty rows).
 # T >= 2 is tinyBLAS's kqv, T == 1 ggml_vec_dot_f32's; head dims 40, 100 and 19 take vec_dot's tails (blocks of
 # 8 and 4, then fma), 19 also kqv by vec_dot at T >= 2 (tinyBLAS needs the head dim a multiple of 4)
@@ -77,7 +88,7 @@ CASES = {
 def test_attention_op_is_ggmls_loops_bit_for_bit(name, op_class):
     """The C loops equal their numpy transcription of ggml's (vec_dot scores, v_expf softmax with its double sum,
     sgemm or vec_dot kqv) to the bit, and the generated formula to float32 rounding."""
-    (n_head, n_kv_head, dim, window, scale, softcap, has_sinks), cases = CASES[name]
+    (n_head, n_kv_head, dim, window, scale, softcap, has_sinks), _ = CASES[name]
     if op_class is PortableAttention and name not in ("gqa", "odd"):
         pytest.skip("the portable build on two of the cases is enough")
     rng = np.random.default_rng(len(name))
@@ -87,12 +98,7 @@ def test_attention_op_is_ggmls_loops_bit_for_bit(name, op_class):
     sinks_v = symbols[5] if has_sinks else None
     formula = causal_attention_formula(*symbols[:5], n_head, n_kv_head, dim, window, scale, softcap, sinks_v)
     formula_fn = pytensor.function(symbols, formula, mode=get_mode("c"))
-    for n_seq, n_tok, n_keys, empty in cases:
-        args = _case(rng, n_seq, n_tok, n_keys, n_head, n_kv_head, dim, empty)
-        if has_sinks:
-            args.append(rng.standard_normal(n_head).astype(np.float32))
-        got = np.asarray(fn(*args))
-        want = attention_ggml_reference(*args[:5], window, scale, softcap, args[5] if has_sinks else None)
+    for (n_seq, n_tok, n_keys, _), args, got, want in _run_cases(fn, rng, name):
         assert got.shape == (n_seq * n_tok, n_head * dim)
         assert _bits_differ(got, want) == 0, (name, n_seq, n_tok, n_keys)
         np.testing.assert_allclose(got, np.asarray(formula_fn(*args)), rtol=1e-4, atol=1e-5)
@@ -193,17 +199,10 @@ def test_the_op_on_jax_and_mlx(c_kernels_on, name, kernels, backend):
     """JAX and MLX call the C loops (alchemist.kernels.jax_ffi, mlx_host): ggml's bits, the cache's unseen rows
     and negative positions included; without the C kernels they compute the formula."""
     c_kernels_on(backend, kernels)
-    (n_head, n_kv_head, dim, window, scale, softcap, has_sinks), cases = CASES[name]
-    op = CausalAttentionGgml(n_head, n_kv_head, dim, window, scale, softcap, has_sinks)
-    symbols = _symbols(has_sinks)
+    op = CausalAttentionGgml(*CASES[name][0])
+    symbols = _symbols(op.has_sinks)
     fn = pytensor.function(symbols, op(*symbols), mode=get_mode(backend))
-    rng = np.random.default_rng(5)
-    for n_seq, n_tok, n_keys, empty in cases:
-        args = _case(rng, n_seq, n_tok, n_keys, n_head, n_kv_head, dim, empty)
-        if has_sinks:
-            args.append(rng.standard_normal(n_head).astype(np.float32))
-        got = np.asarray(fn(*args))
-        want = attention_ggml_reference(*args[:5], window, scale, softcap, args[5] if has_sinks else None)
+    for (n_seq, n_tok, n_keys, _), _, got, want in _run_cases(fn, np.random.default_rng(5), name):
         if kernels:
             assert _bits_differ(got, want) == 0, (name, n_seq, n_tok, n_keys)
         else:
