@@ -57,8 +57,8 @@ class LoadedForValidation:
         return numerics_of(self.module)  # quantized (bool) -> load_weights(path, quantized=...)
 
     def weights_for(self, backend: str, quantized: bool | None = None) -> dict:
-        """The weights as `backend` runs them: GGUF blocks for the kernel backends (C, Numba), else float32
-        (quantized=False forces float32 weights)."""
+        """The weights as `backend` runs them with this module's numerics: GGUF blocks where kernels multiply them
+        (C, Numba; JAX and MLX with numerics="ggml"), else float32 (quantized=False forces float32 weights)."""
         quantized = uses_quantized_kernels(backend, numerics=self.numerics) and quantized is not False
         if quantized not in self._weights:
             self._weights[quantized] = self.module.load_weights(self.path, quantized=quantized)

@@ -38,14 +38,13 @@ def is_ggml_kernel_node(node) -> bool:
 
 
 def kernels_compute(backend: str, node) -> bool:
-    """True when `backend` (jax, mlx) computes `node` by alchemist's C code rather than by its formula."""
-    if backend == "jax":
-        from alchemist.kernels import jax_ffi
+    """True when `backend` (jax, mlx) computes `node` by alchemist's C code rather than by its formula: one of the
+    Ops above, and the backend's kernels are there (alchemist.kernels.jax_ffi, mlx_host)."""
+    if not is_ggml_kernel_node(node):
+        return False
+    from alchemist.kernels import jax_ffi, mlx_host
 
-        return jax_ffi.handles(node)
-    from alchemist.kernels import mlx_host
-
-    return mlx_host.handles(node)
+    return {"jax": jax_ffi, "mlx": mlx_host}[backend].available()
 
 
 def _unless_kernels(backend: str, rewriter):

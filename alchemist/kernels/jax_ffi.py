@@ -4,12 +4,12 @@ With numerics="ggml" a model's quantized matmuls (QuantizedMatmul), RMS norm (Rm
 RopeGgml), attention (CausalAttentionGgml), SiLU (SiluGgml) and GELU (GeluTable) compute as llama.cpp does, each a
 loop in C with every float operation in ggml's order. On JAX each becomes one custom call (`jax.ffi.ffi_call`)
 into that same C code: the handlers below take XLA's buffers in place (no copy, the weights stay GGUF blocks) and
-call the matmul and ops libraries Numba calls (alchemist.kernels.native), so JAX's logits are the C backend's,
+call the kernel libraries Numba and MLX call (alchemist.kernels.native), so JAX's logits are the C backend's,
 and llama.cpp's, bit for bit. Between the calls XLA runs the rest of the graph (residual adds, reshapes, the
 KV cache writes: float32 operations that round the same anywhere).
 
 The handler library is built once per machine with PyTensor's C++ compiler, against jaxlib's FFI headers, linked
-to the two kernel libraries, and kept in alchemist's cache (native.py's `_library`, keyed by the source, the
+to the kernel libraries, and kept in alchemist's cache (native.py's `_library`, keyed by the source, the
 compiler and the command). Without a compiler, with ALCHEMIST_JAX_FFI=0, or when the build fails (with a
 warning), JAX gets the Ops' float32 formulas instead (the rewrites tagged "jax", kernels.expansion): equal to
 llama.cpp's values up to rounding, not bit for bit. numerics="exact" never uses this: its matmuls stay
@@ -49,8 +49,7 @@ extern "C" int {ops}_attention(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t 
                                long long KVH, long long D, long long window, float scale, float softcap);
 extern "C" void {ops}_silu(uintptr_t x, uintptr_t y, long long rows, long long n);
 extern "C" void {ops}_gelu(uintptr_t x, uintptr_t y, long long n);
-
-{rms_norm_c}
+extern "C" void {rms}(uintptr_t x, uintptr_t w, uintptr_t y, long long rows, long long n, float eps);
 
 namespace {{
 typedef ffi::Buffer<ffi::F32> F32;
@@ -86,7 +85,7 @@ ffi::Error RmsNorm(F32 x, F32 w, F32Out y, float eps, int32_t weighted) {{
     const long long n = d[d.size() - 1];
     if (weighted && (long long)w.element_count() != n) return bad("RmsNormGgml: the weight does not match the rows");
     const long long rows = n ? (long long)(x.element_count() / n) : 0;
-    alchemist_rms_norm::apply(x.typed_data(), weighted ? w.typed_data() : nullptr, y->typed_data(), rows, n, eps);
+    {rms}(addr(x.typed_data()), weighted ? addr(w.typed_data()) : 0, addr(y->typed_data()), rows, n, eps);
     return ffi::Error::Success();
 }}
 
@@ -199,26 +198,20 @@ def _build(cxx: str) -> ctypes.CDLL:
 
     from alchemist.kernels import native
     from alchemist.kernels.op import _openmp_flags
-    from alchemist.kernels.rms_norm import RMS_NORM_C
 
     matmul_path, matmul_name, _ = native.matmul_library(cxx)
     ops_path, ops_prefix, _ = native.ops_library(cxx)
-    source = _HANDLERS.format(matmul=matmul_name, ops=ops_prefix, rms_norm_c=RMS_NORM_C)
+    rms_path, rms_name, _ = native.rms_norm_library(cxx)
+    source = _HANDLERS.format(matmul=matmul_name, ops=ops_prefix, rms=rms_name)
+    dependencies = (matmul_path, ops_path, rms_path)
     command = [
         cxx, "-shared", *native.ops_flags(), "-std=c++17", f"-I{jax.ffi.include_dir()}", "-o", "k.so", "k.cpp",
-        str(matmul_path), str(ops_path), *(["-lgomp"] if _openmp_flags() else []),
+        *map(str, dependencies), *(["-lgomp"] if _openmp_flags() else []),
     ]  # fmt: skip
     path, _ = native._library(source, command, native._compiler_version(cxx))
-    for dependency in (matmul_path, ops_path):  # the handler library names them by path; load them first anyway
+    for dependency in dependencies:  # the handler library names them by path; load them first anyway
         ctypes.CDLL(str(dependency), mode=ctypes.RTLD_GLOBAL)
     return ctypes.CDLL(str(path))
-
-
-def handles(node) -> bool:
-    """True when JAX computes `node` by a custom call here rather than by its formula."""
-    from alchemist.kernels.expansion import is_ggml_kernel_node
-
-    return is_ggml_kernel_node(node) and available()
 
 
 def _call(target: str, shape, *args, **attrs):
@@ -239,7 +232,8 @@ _done: list = []
 
 def register() -> None:
     """Register the Ops' JAX implementations with PyTensor's JAX dispatch (idempotent). Called when a JAX mode
-    is made (alchemist.runtime.backends.get_mode); a graph reaches them only where `handles` said so."""
+    is made (alchemist.runtime.backends.get_mode); a graph reaches them only where
+    kernels.expansion.kernels_compute said so."""
     if _done:
         return
     from alchemist.kernels.attention import CausalAttentionGgml
@@ -260,6 +254,7 @@ def register() -> None:
         attrs = {"type_index": i32(TYPE_INDEX[op.ggml_type]), "n_out": i64(op.n_out), "n_in": i64(op.n_in)}
 
         def quantized_matmul(x, w):
+            op._check(x, w)  # static shapes: checked once, while tracing
             return _call("matmul", (*x.shape[:-1], op.n_out), x, w, **attrs)
 
         return quantized_matmul

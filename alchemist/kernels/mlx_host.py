@@ -76,13 +76,6 @@ def _kernels():
     return SimpleNamespace(**entries)
 
 
-def handles(node) -> bool:
-    """True when MLX computes `node` by its C code here rather than by its formula."""
-    from alchemist.kernels.expansion import is_ggml_kernel_node
-
-    return is_ggml_kernel_node(node) and available()
-
-
 def _host(a, dtype) -> np.ndarray:
     """An MLX array as a C-contiguous NumPy array (a view of MLX's buffer when it already is one)."""
     return np.ascontiguousarray(np.asarray(a), dtype=dtype)
@@ -103,7 +96,8 @@ _done: list = []
 
 def register() -> None:
     """Register the Ops' MLX implementations with PyTensor's MLX dispatch (idempotent). Called when an MLX mode is
-    made (alchemist.runtime.backends.get_mode); a graph reaches them only where `handles` said so."""
+    made (alchemist.runtime.backends.get_mode); a graph reaches them only where
+    kernels.expansion.kernels_compute said so."""
     if _done:
         return
     import mlx.core as mx
@@ -127,11 +121,9 @@ def register() -> None:
 
         def quantized_matmul(x, w):
             xh, wh = _host(x, f32), _host(w, np.uint8)
-            if wh.shape[0] != op.n_out or xh.shape[-1] != op.n_in:
-                raise ValueError(f"QuantizedMatmul: x {xh.shape} and w {wh.shape} for ({op.n_out}, {op.n_in})")
-            y = np.empty((*xh.shape[:-1], op.n_out), dtype=f32)
-            T = xh.size // op.n_in
-            if kernels.matmul(type_index, 1, _address(wh), op.n_out, op.n_in, _address(xh), T, _address(y)) != 0:
+            op._check(xh, wh)
+            y = np.empty((xh.shape[0], op.n_out), dtype=f32)
+            if kernels.matmul(type_index, 1, _address(wh), op.n_out, op.n_in, _address(xh), xh.shape[0], _address(y)):
                 raise RuntimeError("QuantizedMatmul: the C kernel failed")
             return mx.array(y)
 
