@@ -105,6 +105,7 @@ def _cmd_gen(args) -> int:
 def _cmd_run(args) -> int:
     from alchemist import inference, load_llm
 
+    from alchemist.harness.oracle_build import numerics_line
     from alchemist.runtime.api import precompile
 
     numerics = _numerics(args)
@@ -133,8 +134,9 @@ def _cmd_run(args) -> int:
         print()
     r = result.report
     t = r["timings"]
+    print("\n" + numerics_line(numerics), file=sys.stderr)
     print(
-        f"\n[{r['backend']}] prompt {r['prompt_tokens']} tok, prefill {t['prefill_tok_per_s']} tok/s | "
+        f"[{r['backend']}] prompt {r['prompt_tokens']} tok, prefill {t['prefill_tok_per_s']} tok/s | "
         f"generated {r['generated_tokens']} tok, decode {t['decode_tok_per_s']} tok/s | "
         f"compile {t['compile_s_total']} s ({r['compilations']['total']} functions, "
         f"{r['compilations']['during_decode']} during decode) | load {t['load_s']} s, "

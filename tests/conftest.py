@@ -8,6 +8,30 @@ import pytest
 from alchemist.fixtures import FAMILIES, write_fixture
 
 
+def pytest_report_header(config):
+    """Which llama.cpp build the oracle tests run against, and which arithmetic numerics="ggml" reproduces."""
+    try:
+        from alchemist.harness.oracle_build import describe, oracle_build
+
+        return describe(oracle_build())
+    except ImportError:
+        return "oracle: llama-cpp-python is not installed"
+
+
+@pytest.fixture(scope="session")
+def llamacpp_bits():
+    """For a test asserting llama.cpp's bits: the oracle must be built for the instruction-set variant whose
+    arithmetic numerics="ggml" reproduces (scripts/bootstrap.sh pins it, and test_oracle checks that it did).
+    Against another build (ALCHEMIST_ORACLE_ANY_BUILD=1 with a native AVX-512 or ARM build) bits are not claimed."""
+    pytest.importorskip("llama_cpp")
+    from alchemist.harness.oracle_build import describe, oracle_build
+
+    build = oracle_build()
+    if not build.reproduced:
+        pytest.skip(describe(build))
+    return build
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")

@@ -136,7 +136,7 @@ def _our_attention(module, il, q, keys, values, positions, sinks):
 
 
 @pytest.mark.parametrize("arch", ("llama", "gemma3", "gemma2", "gpt-oss"))
-def test_attention_is_llamacpps_bit_for_bit(fixture_files, arch):
+def test_attention_is_llamacpps_bit_for_bit(llamacpp_bits, fixture_files, arch):
     """kqv_out computed from llama.cpp's own Qcur, Kcur, Vcur is llama.cpp's, bit for bit: a 12-token prompt (kqv by
     tinyBLAS) and the decode step after it (T=1 at position 12: by ggml_vec_dot_f32); gemma3 and gemma2 slide a
     window of 8 on every other layer, gemma2 caps its logits, gpt-oss adds attention sinks. The generated

@@ -336,8 +336,7 @@ def test_numba_graph_loaded_from_pytensor_cache_runs(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def ggml_ref():
-    pytest.importorskip("llama_cpp")
+def ggml_ref(llamacpp_bits):
     from alchemist.harness._llama import ggml_cpu
 
     return ggml_cpu()

@@ -105,7 +105,7 @@ def test_ggml_numerics_reproduce_llamacpp(q4k_file, kernels):
 
 @pytest.mark.parametrize("backend", ["c", "numba", "jax", "mlx"])
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])  # SiLU / GELU, Q4_K and Q6_K weights
-def test_ggml_numerics_are_llamacpps_to_the_bit(fixture_files, c_kernels_on, arch, backend):
+def test_ggml_numerics_are_llamacpps_to_the_bit(llamacpp_bits, fixture_files, c_kernels_on, arch, backend):
     """On C, Numba and JAX, numerics="ggml" computes every op as llama.cpp's CPU backend does: the 14-token prompt
     (padded to a bucket of 32: ggml's tiled K-quant order, which llama.cpp takes from 8 rows on) gives llama.cpp's
     logits bit for bit, and so do the decode steps after it (T = 1: ggml's vec_dot order). Numba calls the C

@@ -231,7 +231,7 @@ def test_cli_reports_with_charts(fixture_files, tmp_path, capsys, png_size):
         ("qwen2.5-coder-0.5b", "numba"),
     ],
 )
-def test_reference_models(reference_models, name, backend):
+def test_reference_models(llamacpp_bits, reference_models, name, backend):
     """Both reference models against llama.cpp (#19's bar): every prompt position's top-1, KL and Pearson, then 32
     greedy steps in which every disagreement is a within-noise tie; on C the prompt's logits bit for bit. Each
     backend compiles two step functions (the all-logits prompt and the decode step); the prompt's logits are llama.cpp's

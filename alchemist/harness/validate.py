@@ -24,6 +24,7 @@ import numpy as np
 
 from alchemist.errors import AlchemistError
 from alchemist.harness.metrics import compare_logits, first_divergence, greedy_agreement, nmse
+from alchemist.harness.oracle_build import arithmetic
 from alchemist.runtime.backends import uses_quantized_kernels
 from alchemist.runtime.numerics import numerics_of, resolve_numerics, with_numerics
 
@@ -354,9 +355,12 @@ def validate_model(
         "weight_types": sorted({t.ggml_type for t in loaded.ir.tensors}),
         "thresholds": THRESHOLDS,
         "numerics": numerics,
+        "arithmetic": arithmetic(numerics),
         "prompt_token_ids": prompt,
         "backends": {},
     }
+    if progress:
+        progress(report["arithmetic"]["note"])
     with LlamaCppOracle(path, n_ctx=context, n_threads=n_threads) as oracle:
         for backend in backends:
             res = validate_backend(loaded, backend, oracle, prompt, n_generate, context)
@@ -396,6 +400,7 @@ def to_markdown(report: dict) -> str:
         f"- prompt: {len(report['prompt_token_ids'])} tokens; thresholds: "
         + ", ".join(f"{k} {v:.4g}" for k, v in report["thresholds"].items()),
         f"- numerics: {report.get('numerics', 'exact')}",
+        f"- {report['arithmetic']['note']}",
         f"- result: **{'PASS' if report['passed'] else 'FAIL'}**",
         "",
         "| backend | top-1 (decisive) | near-ties | mean KL | mean Pearson | logits NMSE | greedy agree | layers max NMSE | compiles | s | result |",
@@ -514,6 +519,7 @@ def diff_model(
         "architecture": loaded.ir.architecture,
         "weight_types": sorted({t.ggml_type for t in loaded.ir.tensors}),
         "numerics": numerics,
+        "arithmetic": arithmetic(numerics),
         "prompt_token_ids": list(prompt),
         "prompt_tokens": len(prompt),
         "backend": backend,
@@ -534,6 +540,7 @@ def diff_to_markdown(diff: dict) -> str:
         f"- model: {diff['model']!r} ({diff['architecture']}), weights: {', '.join(diff['weight_types'])}",
         f"- sha256: `{diff['source_sha256']}`",
         f"- backend: {diff['backend']}; prompt: {diff['prompt_tokens']} tokens; numerics: {diff['numerics']}",
+        f"- {diff['arithmetic']['note']}",
         f"- tolerance: NMSE {diff['tolerance']:.1e}; "
         + (f"first divergent tensor: **{first}**" if first else f"**no tensor exceeds {diff['tolerance']:.1e}**"),
         *([fed_summary_line(fed)] if fed else []),

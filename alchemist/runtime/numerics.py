@@ -17,6 +17,8 @@
   Its RoPE builds cos/sin from a running product of the angle and glibc's sincosf, and rotates with fused
   multiply-adds (alchemist.kernels.rope). Its attention takes scores by ggml_vec_dot_f32, a softmax with
   ggml_v_expf and a double sum, and the values in tinyBLAS's or vec_dot's lane order (alchemist.kernels.attention).
+  These are the loops of ggml-cpu compiled for AVX2 + FMA + F16C without AVX-512, the build the oracle is pinned to;
+  an AVX-512 or ARM build orders them otherwise (alchemist.harness.oracle_build names both in every report).
 
 Generated modules never change: `with_numerics(module, "ggml")` returns a fresh copy of the module whose
 kernels, project(), gelu(), silu(), rms_norm(), rope_angles()/rope() and causal_attention() compute that way: the kernels
