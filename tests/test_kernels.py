@@ -628,6 +628,34 @@ def test_rms_norm_ggml_is_ggmls_bit_for_bit(backend, weighted):
     np.testing.assert_allclose(formula, want, rtol=6e-7, atol=0)
 
 
+_RMS_NORM = """
+import numpy as np, pytensor, pytensor.tensor as pt
+from alchemist.kernels.rms_norm import rms_norm_ggml
+from alchemist.runtime.backends import get_mode
+rng = np.random.default_rng(0)
+x, w = (rng.standard_normal((14, 64)) * 3).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+v, wv = pt.matrix("x", dtype="float32"), pt.vector("w", dtype="float32")
+c, numba = (pytensor.function([v, wv], rms_norm_ggml(v, 1e-6, wv), mode=get_mode(b))(x, w) for b in ("c", "numba"))
+print(int((np.asarray(numba) != np.asarray(c)).sum()))
+"""
+
+
+def test_rms_norm_ggml_on_numba_is_not_fast_math(tmp_path):
+    """The Numba graph of the weighted norm, compiled in one process and loaded from PyTensor's cache in the next:
+    under PyTensor's default fastmath the cached wrapper, which inlines the loops, computed 1 / sqrtf with a
+    reciprocal-square-root estimate on an AVX-512 CPU (331 of 896 values an ulp off in the second process). The
+    wrapper is compiled without fastmath: C's bits in both processes, on every CPU."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTENSOR_FLAGS=f"base_compiledir={tmp_path}")
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _RMS_NORM], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-1] == "0"
+
+
 def test_rms_norm_ggml_checks_its_weight():
     from alchemist.kernels.rms_norm import RmsNormGgml, rms_norm_ggml
 

@@ -130,7 +130,7 @@ def register_numba():
             op.numerics == "ggml",
         )
 
-        @numba_njit
+        @numba_njit(fastmath=False)  # exact rounding: see kernels.rms_norm.register_numba
         def quantized_expert_matmul(x, w, ids):
             if w.shape[0] != n_expert or w.shape[1] != n_out or w.shape[2] != row_bytes or x.shape[-1] != n_in:
                 raise ValueError("QuantizedExpertMatmul: x or w does not have the shape the Op was built for")

@@ -582,7 +582,7 @@ def register_numba():
     def numba_funcify_QuantizedEmbedding(op, node=None, **kwargs):
         kind, n_rows, n_in, row_bytes = KINDS[op.ggml_type], op.n_rows, op.n_in, op.row_bytes
 
-        @numba_njit
+        @numba_njit(fastmath=False)  # exact rounding: see kernels.rms_norm.register_numba
         def quantized_embedding(w, idx):
             if w.shape[0] != n_rows or w.shape[1] != row_bytes:
                 raise ValueError("QuantizedEmbedding: w does not have the shape the Op was built for")
@@ -600,7 +600,7 @@ def register_numba():
             c_matmul, c_version = native
             type_index, use_ggml = KINDS[op.ggml_type], int(ggml)
 
-            @numba_njit
+            @numba_njit(fastmath=False)  # exact rounding: see kernels.rms_norm.register_numba
             def quantized_matmul_c(x, w):
                 if x.shape[1] != n_in or w.shape[0] != n_out or w.shape[1] != row_bytes:
                     raise ValueError("QuantizedMatmul: x or w does not have the shape the Op was built for")
@@ -619,7 +619,7 @@ def register_numba():
         driver = DRIVERS[op.ggml_type]
         round_rows, kind = activations.round_rows_numba(), activations.activation_kind(op.ggml_type)
 
-        @numba_njit
+        @numba_njit(fastmath=False)  # exact rounding: see kernels.rms_norm.register_numba
         def quantized_matmul(x, w):
             if x.shape[1] != n_in or w.shape[0] != n_out or w.shape[1] != row_bytes:
                 raise ValueError("QuantizedMatmul: x or w does not have the shape the Op was built for")

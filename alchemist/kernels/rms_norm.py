@@ -180,13 +180,18 @@ def register_numba() -> None:
         return
     from alchemist.runtime.pytensor_internals import numba_njit, register_funcify_default_op_cache_key
 
+    # The wrappers are compiled without fastmath too: PyTensor's default (arcp, afn, ...) would let LLVM inline the
+    # loops into a function where 1.0f / sqrtf(...) may become a reciprocal-square-root estimate (it does for
+    # AVX-512 targets), which is not ggml's result.
+    no_fastmath = numba_njit(fastmath=False)
+
     @register_funcify_default_op_cache_key(RmsNormGgml)
     def numba_funcify_RmsNormGgml(op, node=None, **kwargs):
         rows_fn, eps = rms_rows_numba(), np.float32(op.eps)
 
         if op.weighted:
 
-            @numba_njit
+            @no_fastmath
             def rms_norm_ggml(x, w):
                 n = x.shape[-1]
                 if w.shape[0] != n:
@@ -196,13 +201,14 @@ def register_numba() -> None:
 
         else:
 
-            @numba_njit
+            @no_fastmath
             def rms_norm_ggml(x):
                 n = x.shape[-1]
                 flat = np.ascontiguousarray(x).reshape((-1, n))
                 return rows_fn(flat, np.empty(0, dtype=np.float32), eps).reshape(x.shape)
 
-        return rms_norm_ggml, int(hashlib.sha256(RMS_NORM_C.encode()).hexdigest()[:12], 16)
+        version = hashlib.sha256((RMS_NORM_C + "wrapper without fastmath").encode()).hexdigest()[:12]
+        return rms_norm_ggml, int(version, 16)
 
     _numba_registered.append(True)
 
