@@ -201,7 +201,7 @@ def _cmd_families(args) -> int:
     output = Path(args.output)
     if args.cases and output.exists():
         rows = merge_results(json.loads(output.read_text()), rows, FIXTURES)
-    write_results(rows, output, Path(args.readme) if args.readme else None)
+    write_results(rows, output, Path(args.table) if args.table else None)
     print(f"{n_passed} passed, {n_failed} failed; results: {args.output}")
     return 0 if n_failed == 0 else 1
 
@@ -453,7 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generate", type=int, default=32, help="greedy tokens checked per run")
     p.add_argument("--workdir", default="validation/families", help="where the fixture files go")
     p.add_argument("-o", "--output", default="docs/architectures.json", help="the results (JSON)")
-    p.add_argument("--readme", default=None, help="also rewrite the architecture table in this README")
+    p.add_argument(
+        "--table",
+        default=None,
+        metavar="PATH",
+        help="also rewrite the architecture table (between its marker comments) in this markdown file, "
+        "e.g. docs/architectures.md",
+    )
+    p.add_argument("--readme", dest="table", metavar="PATH", help="deprecated: the older spelling of --table")
     p.set_defaults(fn=_cmd_families)
 
     p = sub.add_parser("validate", help="check the generated model against llama.cpp (JSON + markdown + PNG report)")

@@ -19,6 +19,7 @@ from alchemist.harness.families import (
     fixture_module_sha256,
     merge_results,
     quirks,
+    write_results,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,18 +83,18 @@ def test_quirks_name_what_differs_from_llama(fixture_irs):
 
 
 def test_readme_table_is_generated_from_current_results(fixture_irs):
-    """The README's architecture table is architecture_markdown(docs/architectures.json), and those results
+    """docs/architectures.md's table is architecture_markdown(docs/architectures.json), and those results
     were measured on exactly the modules the code generates today for every fixture."""
     rows = json.loads(RESULTS.read_text())
     recorded = {r["case"]: r for r in rows if "quirks" in r}
-    assert set(recorded) == set(FIXTURES), "run `alchemist families --validate --readme README.md`"
+    assert set(recorded) == set(FIXTURES), "run `alchemist families --validate --table docs/architectures.md`"
     for case, ir in fixture_irs.items():
         assert recorded[case]["module_sha256"] == fixture_module_sha256(
             ir
         ), f"{case}: docs/architectures.json was measured on other code; rerun `alchemist families --validate`"
-    readme = (REPO / "README.md").read_text()
-    table = readme[readme.index(TABLE_BEGIN) + len(TABLE_BEGIN) : readme.index(TABLE_END)].strip()
-    assert table == architecture_markdown(rows)
+    page = (REPO / "docs" / "architectures.md").read_text()
+    table = page[page.index(TABLE_BEGIN) + len(TABLE_BEGIN) : page.index(TABLE_END)].strip()
+    assert table == architecture_markdown(rows), "run `alchemist families --validate --table docs/architectures.md`"
 
 
 def test_validating_some_cases_replaces_only_their_rows():
@@ -103,3 +104,20 @@ def test_validating_some_cases_replaces_only_their_rows():
     old = rows("a", "old") + rows("b", "old") + rows("gone", "old")
     merged = merge_results(old, rows("b", "new") + rows("c", "new"), ["a", "b", "c"])
     assert [(r["case"], r["tag"]) for r in merged] == [("a", "old")] * 2 + [("b", "new")] * 2 + [("c", "new")] * 2
+
+
+def test_table_option_rewrites_only_the_marked_table(tmp_path):
+    from alchemist.cli import build_parser
+
+    rows = [
+        {"case": "llama", "quirks": ["tied output"]},
+        {"case": "llama", "backend": "c", "weight_type": "F32", "passed": True},
+    ]
+    page = tmp_path / "page.md"
+    page.write_text(f"# before\n\n{TABLE_BEGIN}\nold\n{TABLE_END}\n\nafter\n")
+    write_results(rows, tmp_path / "results.json", page)
+    assert page.read_text() == f"# before\n\n{TABLE_BEGIN}\n{architecture_markdown(rows)}\n{TABLE_END}\n\nafter\n"
+    parser = build_parser()
+    assert parser.parse_args(["families", "--table", "docs/architectures.md"]).table == "docs/architectures.md"
+    assert parser.parse_args(["families", "--readme", "x.md"]).table == "x.md"  # the deprecated spelling
+    assert parser.parse_args(["families"]).table is None

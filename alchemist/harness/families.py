@@ -2,7 +2,7 @@
 
 `validate_families(cases, backends, weight_types)` writes each fixture (alchemist.fixtures), quantizes it
 with llama.cpp, validates it on each backend (alchemist.harness.validate) and returns one row per
-(fixture, backend, weight type). `architecture_markdown(results)` turns those rows into the README's table:
+(fixture, backend, weight type). `architecture_markdown(results)` turns those rows into the architecture table:
 family · what it adds over llama (read from its fixture's IR) · backends and weight types that passed.
 Nothing in the table is typed by hand: `alchemist families --validate` regenerates it.
 """
@@ -169,7 +169,7 @@ def fixture_module_sha256(ir: ModelIR) -> str:
 
 
 def architecture_markdown(rows: list[dict]) -> str:
-    """The README's architecture table from validate_families' rows (cases in their order)."""
+    """The architecture table (docs/architectures.md) from validate_families' rows (cases in their order)."""
     cases = [r["case"] for r in rows if "quirks" in r]
     lines = [
         "| family (fixture) | what it adds over llama | validated backends | weight types |",
@@ -205,16 +205,16 @@ def merge_results(old_rows: list[dict], new_rows: list[dict], case_order) -> lis
     return [r for case in case_order for r in by_case.get(case, [])]
 
 
-def write_results(rows: list[dict], json_path: Path, readme: Path | None = None) -> None:
+def write_results(rows: list[dict], json_path: Path, table_path: Path | None = None) -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(rows, indent=1, default=float) + "\n")
-    if readme is not None:
-        replace_table(readme, architecture_markdown(rows))
+    if table_path is not None:
+        replace_table(table_path, architecture_markdown(rows))
 
 
-def replace_table(readme: Path, table: str) -> None:
-    text = readme.read_text()
+def replace_table(markdown: Path, table: str) -> None:
+    text = markdown.read_text()
     start, end = text.find(TABLE_BEGIN), text.find(TABLE_END)
     if start < 0 or end < start:
-        raise ValueError(f"{readme}: no architecture table markers ({TABLE_BEGIN!r} ... {TABLE_END!r})")
-    readme.write_text(text[: start + len(TABLE_BEGIN)] + "\n" + table + "\n" + text[end:])
+        raise ValueError(f"{markdown}: no architecture table markers ({TABLE_BEGIN!r} ... {TABLE_END!r})")
+    markdown.write_text(text[: start + len(TABLE_BEGIN)] + "\n" + table + "\n" + text[end:])
