@@ -186,14 +186,3 @@ FAMILY = Family(
     ),
 )
 
-
-def kv_shared_config():
-    """A 22-layer fixture config: past llama.cpp's KV start (20), so layer 20 (sliding) and 21 (global) attend to
-    the caches of layers 18 and 19; layers 10-21 are dense. Validated in F32 only (tests/test_gemma3n.py): 22 random
-    layers amplify llama.cpp's activation rounding past the quantized bars, which the 6-layer fixture meets, and
-    with the 6-layer fixture's larger embeddings (decisive logits) its F32 rounding past 1e-6."""
-    from alchemist.fixtures import FixtureConfig
-
-    kinds = _layer_kinds(20) + (True, False)
-    pattern = ("attention.sliding_window_pattern", kinds)
-    return FixtureConfig("gemma3n", n_layer=22, metadata=(pattern,), embedding_std=0.05)
