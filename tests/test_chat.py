@@ -103,14 +103,6 @@ def test_ctrl_c_cancels_the_answer_and_the_chat_goes_on(tok):
     assert signal.getsignal(signal.SIGINT) is before  # restored
 
 
-def _slot_engine_available() -> bool:
-    try:
-        import alchemist.runtime.slot_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _read_until(fd, marker: bytes, timeout: float) -> bytes:
     import select
 
@@ -131,7 +123,6 @@ def _read_until(fd, marker: bytes, timeout: float) -> bytes:
     return buf
 
 
-@pytest.mark.skipif(not _slot_engine_available(), reason="needs alchemist.runtime.slot_engine (the SlotEngine)")
 def test_chat_cli_over_a_pty(tiny_gguf, tmp_path):
     """`alchemist chat` for real: prompt -> streamed answer -> /reset -> the same answer -> /exit returns 0."""
     import pty

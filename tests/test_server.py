@@ -20,14 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+import uvicorn
 
-import uvicorn  # noqa: E402
-
-from alchemist.serve.app import create_app  # noqa: E402
-from serving_fake import FakeRequest, FakeScheduler  # noqa: E402
-from serving_toy import ToySlotEngine  # noqa: E402
+from alchemist.serve.app import create_app
+from serving_fake import FakeRequest, FakeScheduler
+from serving_toy import ToySlotEngine
 
 pytestmark = pytest.mark.filterwarnings("ignore::alchemist.tokenizer.chat.ChatTemplateWarning")  # fixtures: no template
 
