@@ -1,5 +1,5 @@
 """`alchemist diff --fed`: every layer run on llama.cpp's own input to it (alchemist.harness.fed), live against
-llama.cpp on tiny F32 fixtures: each layer's own error is within issue #19's 1e-10, and a broken layer is named
+llama.cpp on tiny F32 fixtures: each layer's own error is within 1e-10, and a broken layer is named
 as the fed diff's first divergence while the accumulated (whole-model) column carries its error onward."""
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def test_cli_reports_with_charts(fixture_files, tmp_path, capsys, png_size):
     assert diff["first_divergence"] is None and diff["chart"] == "llama_f32_diff_c.png" and len(diff["rows"]) >= 8
 
 
-# The bar of #19 on the reference models, computing as llama.cpp does (numerics "ggml"): mean KL <= 0.02, mean Pearson
+# The bar on the reference models, computing as llama.cpp does (numerics "ggml"): mean KL <= 0.02, mean Pearson
 # >= 0.999, top-1 at every prompt position, and every fresh-prefix greedy disagreement a within-noise tie (the
 # oracle prefers its token over ours by less than the largest |Δ logit| between the two at that step). It
 # replaces the greedy count (31/32) that qwen2.5-coder missed with exact numerics (29/32, at near-ties that
@@ -232,7 +232,7 @@ def test_cli_reports_with_charts(fixture_files, tmp_path, capsys, png_size):
     ],
 )
 def test_reference_models(llamacpp_bits, reference_models, name, backend):
-    """Both reference models against llama.cpp (#19's bar): every prompt position's top-1, KL and Pearson, then 32
+    """Both reference models against llama.cpp (the bar): every prompt position's top-1, KL and Pearson, then 32
     greedy steps in which every disagreement is a within-noise tie; on C the prompt's logits bit for bit. Each
     backend compiles two step functions (the all-logits prompt and the decode step); the prompt's logits are llama.cpp's
     bit for bit."""

@@ -4,7 +4,7 @@ A whole-model diff lets errors accumulate: layer 5's output differs by layer 5's
 layers before it passed on. Here layer il computes from llama.cpp's tensor: its first block's input (`embd`,
 or `inp_scaled` where the embeddings are scaled, as llama.cpp names it) for il == 0, its `l_out-{il-1}` after
 that; the head from its last `l_out`. So each layer's taps against llama.cpp's measure that layer's own error
-(issue #19's bar: NMSE <= 1e-10 per layer).
+(the bar: NMSE <= 1e-10 per layer).
 
 All layers go into ONE compiled function (inputs: one (T, N_EMBD) row block per layer and one for the head),
 each layer with a fresh zero cache of the shapes the engine's forward() reads, positions 0..T-1, built
@@ -21,7 +21,7 @@ import numpy as np
 from alchemist.errors import AlchemistError
 from alchemist.harness.metrics import nmse
 
-FED_TOL = 1e-10  # issue #19: a layer fed llama.cpp's input reproduces llama.cpp's output to this NMSE
+FED_TOL = 1e-10  # the bar: a layer fed llama.cpp's input reproduces llama.cpp's output to this NMSE
 # what llama.cpp names the tensor its first block reads, latest in its graph wins (build_inp_embd's "embd";
 # gemma's scaled "inp_scaled"; gpt2's "inpL" after the learned positions; lfm2 renames "embd" again)
 INPUT_NAMES = ("embd", "inp_embd", "inp_scaled", "inpL", "model.embed_tokens")

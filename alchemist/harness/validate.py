@@ -485,7 +485,7 @@ def diff_model(
     """Layer-by-layer comparison with llama.cpp; names the first tensor whose NMSE exceeds tol. `numerics`:
     default "ggml" (llamacpp_rounding=True is the older spelling of it). fed=True also runs every layer on
     llama.cpp's own input to it (alchemist.harness.fed) and adds the "fed" section: each layer's own error
-    against fed_tol (default 1e-10, issue #19's bar). fed="ops" also computes every tap from llama.cpp's taps
+    against fed_tol (default 1e-10, the fed bar). fed="ops" also computes every tap from llama.cpp's taps
     before it (alchemist.harness.fed.op_fed_function): which op makes the first non-identical value."""
     from alchemist.harness.fed import FED_TOL, INPUT_NAMES, compare_fed, fed_taps
     from alchemist.harness.oracle import LlamaCppOracle
