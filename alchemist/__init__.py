@@ -5,12 +5,8 @@ model = load_llm("gemma-3-270m-q4_k_m.gguf", backend="c")
 result = inference(model, input="What's causal inference?", max_tokens=32)
 """
 
-from alchemist.runtime.backends import configure_pytensor
-
-# PyTensor reads its flags once, at its first import: set them (system BLAS for the C backend, float32)
-# before any alchemist module can import it, so no import order degrades the C backend.
-configure_pytensor()
-
+# Importing alchemist changes nothing in the process: its PyTensor settings (float32, the system BLAS) and compile
+# speed-ups are switched on around its own graph building and compiling only (alchemist.runtime.host).
 __version__ = "0.1.0"
 __all__ = ["inference", "load_llm", "__version__"]
 

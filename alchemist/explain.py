@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from alchemist.errors import AlchemistError
+from alchemist.runtime.host import activating
 
 
 @dataclass
@@ -68,6 +69,7 @@ def _pieces(tokenizer, ids: list[int]) -> list[str]:
     return [b[len(a) :] if b.startswith(a) else tokenizer.decode([t]) for a, b, t in zip(texts, texts[1:], ids)]
 
 
+@activating
 def saliency_function(model, target, prompt):
     """A compiled function E (T, n_embd) -> (log p(target | prompt), d/dE), the ids and the prompt length."""
     import pytensor

@@ -28,6 +28,7 @@ from pytensor.graph.traversal import ancestors
 
 from alchemist.errors import AlchemistError
 from alchemist.kernels import QuantizedEmbedding
+from alchemist.runtime.host import activating
 
 
 def _token_vector(model, ids) -> Variable:
@@ -57,6 +58,7 @@ def _forward(model, tokens, output_rows=None):
     return logits
 
 
+@activating
 def input_embeddings(model, logits: Variable, tokens: Variable) -> Variable:
     """The variable in `logits`' graph holding the token-embedding rows of `tokens` (before any scale).
 
@@ -73,6 +75,7 @@ def input_embeddings(model, logits: Variable, tokens: Variable) -> Variable:
     raise AlchemistError("could not find the token-embedding lookup in the model's graph")
 
 
+@activating
 def embedding_rows(model, ids) -> np.ndarray:
     """The token-embedding rows of ids as the model reads them (dequantized exactly when in GGUF blocks)."""
     import pytensor
@@ -82,6 +85,7 @@ def embedding_rows(model, ids) -> np.ndarray:
     return np.asarray(pytensor.function([], rows, mode=model.mode)(), dtype=np.float32)
 
 
+@activating
 def symbolic_logits(model, ids, embeddings: Variable | None = None) -> Variable:
     """Logits (T, n_vocab) for the token ids at positions 0..T-1, as a PyTensor expression.
 
@@ -96,6 +100,7 @@ def symbolic_logits(model, ids, embeddings: Variable | None = None) -> Variable:
     return logits
 
 
+@activating
 def replace_embeddings(model, expr: Variable, tokens: Variable, embeddings: Variable) -> Variable:
     """`expr` with the token-embedding rows of `tokens` replaced by `embeddings` (T, n_embd)."""
     rows = input_embeddings(model, expr, tokens)
@@ -134,6 +139,7 @@ def encode_scored(model, text_or_ids, given=None) -> tuple[list[int], int]:
     return prefix + rest, len(prefix)
 
 
+@activating
 def token_log_probs(model, text_or_ids, given=None, embeddings: Variable | None = None) -> Variable:
     """log p(token_t | tokens before t) for every scored token (see encode_scored): a float32 vector expression.
 
@@ -154,6 +160,7 @@ def token_log_probs(model, text_or_ids, given=None, embeddings: Variable | None 
     return scored
 
 
+@activating
 def log_prob(model, text_or_ids, given=None, embeddings: Variable | None = None) -> Variable:
     """log p(text | given) = the sum of token_log_probs: a float32 scalar expression."""
     return token_log_probs(model, text_or_ids, given, embeddings).sum()

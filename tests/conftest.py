@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from alchemist.fixtures import FAMILIES, write_fixture
+from alchemist.runtime.backends import configure_pytensor
+
+# The suite is a host that wants alchemist's settings everywhere (float32, the system BLAS), also for the graphs
+# the tests build themselves: set PyTensor's flags before anything imports it. alchemist itself changes nothing
+# at import (tests/test_host.py checks that in fresh processes).
+configure_pytensor()
+
+from alchemist.fixtures import FAMILIES, write_fixture  # noqa: E402
 
 
 def pytest_report_header(config):

@@ -127,20 +127,24 @@ _PREBUILD_SCRIPT = r"""
 import json, sys
 import numpy as np
 from alchemist.runtime import engine, parallel_build
+from alchemist.runtime.host import activated
 import pytensor, pytensor.tensor as pt
 from pytensor.link.c.basic import CLinker
 
 gxx = []
-compile_cmodule = CLinker.compile_cmodule
-def counting(self, location=None):
-    gxx.append(1)
-    return compile_cmodule(self, location)
-CLinker.compile_cmodule = counting
-
 x = pt.matrix("x", shape=(3, 4))
 outs = [pt.exp(x) * 2.0 + 1.0, x.sum(axis=0), pt.tanh(x).T]
-maker = engine.rewrite_step([x], outs, None, engine.get_mode("c"))
-fn = engine.link_step(maker, None)
+with activated():  # alchemist's compile set-up, parallel_build's wrapper included
+    compile_cmodule = CLinker.compile_cmodule
+    def counting(self, location=None):
+        gxx.append(1)
+        return compile_cmodule(self, location)
+    CLinker.compile_cmodule = counting
+    try:
+        maker = engine.rewrite_step([x], outs, None, engine.get_mode("c"))
+        fn = engine.link_step(maker, None)
+    finally:
+        CLinker.compile_cmodule = compile_cmodule
 value = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
 got = fn(value)
 ok = all(np.allclose(a, b, rtol=1e-6) for a, b in zip(got, [np.exp(value) * 2 + 1, value.sum(0), np.tanh(value).T]))

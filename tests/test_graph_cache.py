@@ -251,20 +251,6 @@ def test_entries_hold_the_graph_not_the_weights(tiny_module, graph_dir):
     assert entry.stat().st_size < biggest  # shared variables were replaced by placeholders
 
 
-def test_importing_alchemist_first_gives_pytensor_its_blas():
-    """Any alchemist import configures PyTensor before it is imported (it reads its flags only once)."""
-    from alchemist.runtime.backends import _system_openblas
-
-    expected = _system_openblas()
-    if expected is None:
-        pytest.skip("no system OpenBLAS on this machine")
-    env = {k: v for k, v in os.environ.items() if k != "PYTENSOR_FLAGS"}
-    code = "import alchemist.arch, pytensor; print(pytensor.config.blas__ldflags)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == expected
-
-
 def test_file_sha256_is_remembered_until_the_file_changes(tmp_path):
     import hashlib
 

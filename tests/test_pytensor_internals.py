@@ -234,30 +234,6 @@ def test_no_module_imports_an_internal_around_the_list():
     assert not offenders, offenders
 
 
-def test_c_exceptions_module_without_setuptools():
-    """The engine provides PyTensor's C exceptions module itself (importing the real one imports setuptools, ~0.2 s
-    before a new process's first token): the same classes as the real file, C functions link and run with it, and
-    in a new process the C VM (which every link imports) comes without setuptools."""
-    import subprocess
-    import sys
-
-    import pytensor
-
-    real = ast.parse((Path(pytensor.__file__).parent / "link" / "c" / "exceptions.py").read_text())
-    real_classes = {n.name for n in real.body if isinstance(n, ast.ClassDef)}
-    shim = sys.modules[internals.C_EXCEPTIONS]
-    assert not hasattr(shim, "BaseCompileError"), "the real module was imported before the engine"
-    assert real_classes == {n for n, v in vars(shim).items() if isinstance(v, type)} == {"MissingGXX", "CompileError"}
-    assert issubclass(shim.MissingGXX, Exception) and issubclass(shim.CompileError, Exception)
-    assert str(shim.CompileError("g++ said:\n  line 1")) == "g++ said:\n  line 1"
-    assert not internals.skip_setuptools_import()  # already provided: nothing to do
-    np.testing.assert_allclose(_c_function()(np.zeros(3, np.float32)), 2.0)
-    code = "import sys, alchemist.runtime.engine, pytensor.link.c.cvm; print('setuptools' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "False"
-
-
 def _validation_outcomes() -> list[str]:
     """Replace nodes of a small graph by in-place ones under a Supervisor protecting input x and the outputs:
     each replacement's outcome ("accepted" or the refusal's text)."""
@@ -295,13 +271,13 @@ def _validation_outcomes() -> list[str]:
 def test_fast_supervisor_refuses_and_accepts_what_pytensors_does(monkeypatch):
     """alchemist.runtime.fast_supervisor's check against PyTensor's own Supervisor.on_validate, replacement by
     replacement, on a graph where it must refuse (an in-place op on a protected input) and accept."""
-    from alchemist.runtime import fast_supervisor
+    from alchemist.runtime.host import activated
 
-    assert fast_supervisor.install()
-    ours = internals.Supervisor.on_validate
-    assert ours is not ours.pytensor_on_validate
-    outcomes = _validation_outcomes()
-    monkeypatch.setattr(internals.Supervisor, "on_validate", ours.pytensor_on_validate)
+    with activated():
+        ours = internals.Supervisor.on_validate
+        assert ours is not ours.pytensor_on_validate
+        outcomes = _validation_outcomes()
+    assert internals.Supervisor.on_validate is ours.pytensor_on_validate  # PyTensor's own again outside
     assert _validation_outcomes() == outcomes
     assert outcomes == ["Trying to destroy a protected variable"] * 2 + ["accepted"] * 2
 

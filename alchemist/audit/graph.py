@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from alchemist.audit.checks import Context, ggml_sizes, result
+from alchemist.runtime.host import activating
 
 N_TOKENS = 3  # static token count of the probe graph
 CAPACITY = 7  # static KV-cache rows
@@ -58,6 +59,7 @@ class Build:
     error: str | None = None
 
 
+@activating
 def build_forward(
     module, tensors: dict, kernel: set, cache_shapes: list, quantized: bool, capacity: int = None
 ) -> Build:

@@ -20,6 +20,7 @@ import numpy as np
 
 from alchemist.errors import AlchemistError
 from alchemist.harness.metrics import nmse
+from alchemist.runtime.host import activating
 
 FED_TOL = 1e-10  # the bar: a layer fed llama.cpp's input reproduces llama.cpp's output to this NMSE
 # what llama.cpp names the tensor its first block reads, latest in its graph wins (build_inp_embd's "embd";
@@ -96,6 +97,7 @@ def _compile(engine, start_pos, n_tokens: int, inputs: list, outputs: list):
     return pytensor.function([start_pos, *inputs], outputs, mode=engine.mode, on_unused_input="ignore")
 
 
+@activating
 def fed_function(engine, n_tokens: int):
     """(names, fn): fn(layer_inputs, head_input) -> the taps of every layer run on its own input, each input a
     (n_tokens, N_EMBD) float32 array; names are the taps' llama.cpp names (result_* from the head)."""
@@ -112,6 +114,7 @@ def fed_function(engine, n_tokens: int):
     return names, run
 
 
+@activating
 def op_fed_function(engine, n_tokens: int, names: list[str]):
     """(names, fn): every tap among `names` computed from llama.cpp's values of the taps before it (and of the
     layer inputs): the ops between two taps alone, e.g. ffn_out-3 = mlp(llama.cpp's ffn_norm-3), kqv_out-3 =

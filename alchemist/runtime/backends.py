@@ -23,14 +23,15 @@ _REQUIRED_PACKAGE = {"numba": "numba", "jax": "jax", "mlx": "mlx"}
 _OPENBLAS_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 
-def _system_openblas() -> str | None:
+def system_blas_ldflags() -> str | None:
+    """PyTensor's blas__ldflags for the system OpenBLAS (Debian's libopenblas-dev), or None without one."""
     for d in _OPENBLAS_DIRS:
         if Path(d, "libopenblas.so").exists():
             return f"-L{d} -lopenblas"
     return "-lopenblas" if ctypes.util.find_library("openblas") else None
 
 
-def _one_blas_thread() -> None:
+def one_blas_thread() -> None:
     """Run the system OpenBLAS (the one the C backend links) on one thread, unless OPENBLAS_NUM_THREADS says
     otherwise. Our kernels parallelize with OpenMP; OpenBLAS's own pthread pool spin-waits between calls and
     fights the OpenMP team for the cores, which made a prefill (OpenMP dequantization of weight panels, then
@@ -44,12 +45,14 @@ def _one_blas_thread() -> None:
 
 
 def configure_pytensor() -> None:
-    """Set PyTensor flags before pytensor is first imported: BLAS for the C backend, float32 default."""
-    _one_blas_thread()  # also when blas__ldflags came in PYTENSOR_FLAGS (a child of a process that set it)
+    """For a process that wants alchemist's settings everywhere (the test suite, benchmarks), not called by
+    alchemist itself (alchemist.runtime.host sets them around its own compiles): set PyTensor's flags before
+    pytensor is first imported (BLAS for the C backend, float32 default) and the system OpenBLAS to one thread."""
+    one_blas_thread()  # also when blas__ldflags came in PYTENSOR_FLAGS (a child of a process that set it)
     flags = os.environ.get("PYTENSOR_FLAGS", "")
     extra = []
     if "blas__ldflags" not in flags:
-        ldflags = _system_openblas()
+        ldflags = system_blas_ldflags()
         if ldflags:
             extra.append(f"blas__ldflags={ldflags}")
     if "floatX" not in flags:
@@ -126,10 +129,9 @@ def get_mode(name: str):
     require_backend(name)
     from pytensor.compile.mode import Mode, get_mode as pytensor_mode
 
-    from alchemist.runtime import fast_supervisor, rewrites
+    from alchemist.runtime import rewrites
 
     rewrites.register()
-    fast_supervisor.install()
     if name == "c":
         mode = Mode(linker="cvm", optimizer="fast_run").including(rewrites.TAG)
     else:

@@ -68,7 +68,6 @@ def tracking(label: str, callback: Callable[[CompileEvent], None] | None):
     if callback is None:
         yield
         return
-    install()
     tracker = _Tracker(label, callback)
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(tracker)

@@ -20,20 +20,12 @@ from types import ModuleType
 import numpy as np
 
 from alchemist.errors import AlchemistError
-from alchemist.runtime import compile_progress, fast_link, graph_cache, parallel_build, pytensor_internals
-from alchemist.runtime.backends import configure_pytensor, get_mode, restore_gcc_march_flags, static_shapes
+import pytensor
+import pytensor.tensor as pt
 
-configure_pytensor()
-
-import pytensor  # noqa: E402
-import pytensor.tensor as pt  # noqa: E402
-
-restore_gcc_march_flags()
-pytensor_internals.skip_setuptools_import()
-fast_link.enable()
-parallel_build.install()
-# last: its wrappers go around fast_link's and parallel_build's (a prebuilt module counts as compiled)
-compile_progress.install()
+from alchemist.runtime import compile_progress, graph_cache, parallel_build, pytensor_internals
+from alchemist.runtime.backends import get_mode, one_blas_thread, static_shapes
+from alchemist.runtime.host import activated
 
 PREFILL_BUCKETS = (8, 32, 128, 512)
 SHORT_PROMPT = 8  # up to this many tokens, a prompt may go through the decode function (Engine._decode_is_quicker)
@@ -143,7 +135,7 @@ def load_or_compile(stats, t0: float, cache_key: str | None, shared: dict, mode,
     """A step function linked from the rewritten-graph cache, or compiled from build() -> (inputs, outputs,
     updates) and saved there; counted in stats (time since t0, one compile). `progress` receives
     alchemist.runtime.compile_progress.CompileEvent's about `label` while it compiles."""
-    with compile_progress.tracking(label, progress):
+    with activated(), compile_progress.tracking(label, progress):
         fn, cached = cached_or_compiled(cache_key, shared, mode, build)
     stats.graph_cache_hits += cached
     stats.compile_seconds += time.perf_counter() - t0
@@ -158,6 +150,8 @@ class Engine:
         self.module = module
         self.backend = backend
         self.mode = get_mode(backend)
+        if backend == "c":
+            one_blas_thread()  # at load, not at import: the C backend's sgemm shares the cores with our OpenMP
         self.capacity = int(capacity)
         self.static = static_shapes(backend)
         # Static shapes: rewrites and the JAX/MLX tracers see every weight and cache dimension as a constant.
@@ -301,7 +295,7 @@ class Engine:
         Several are compiled as a pipeline: every graph is rewritten first, each one's missing C modules
         building with g++ in the background while the next is rewritten; then each is linked. On a cold start
         that overlaps the rewrites (Python, one core) with g++ (the other cores)."""
-        with self.lock:
+        with self.lock, activated():
             pending = []
             for key in dict.fromkeys(tuple(k) for k in keys):
                 if key in self._functions:
@@ -358,12 +352,14 @@ class Engine:
     def taps_function(self, n_tokens: int):
         """A function returning every named intermediate (llama.cpp names) for a fresh sequence; its rewritten
         graph is kept in the graph cache as the step functions' are."""
-        taps: dict = {}
-        inputs, logits, _ = self._build(n_tokens, True, taps)
-        names = list(taps)
-        shared = self._shared_by_name()
-        cache_key = self._graph_cache_key(n_tokens, True, shared, taps=True)
-        fn, _ = cached_or_compiled(cache_key, shared, self.mode, lambda: (inputs, [taps[n] for n in names], None))
+        with activated():
+            taps: dict = {}
+            inputs, logits, _ = self._build(n_tokens, True, taps)
+            names = list(taps)
+            shared = self._shared_by_name()
+            cache_key = self._graph_cache_key(n_tokens, True, shared, taps=True)
+            build = lambda: (inputs, [taps[n] for n in names], None)  # noqa: E731
+            fn, _ = cached_or_compiled(cache_key, shared, self.mode, build)
         return names, fn
 
     # -- running -----------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def prebuild(fgraph, jobs: int | None = None) -> list[str]:
     """Start g++ in the background for every distinct C node of the rewritten `fgraph` whose module the compiledir
     lacks, in toposort order (the order linking needs them); returns their digests (for discard_unused)."""
     jobs = default_jobs() if jobs is None else int(jobs)
-    if jobs <= 1 or not install():
+    if jobs <= 1 or not _installed:  # installed by alchemist.runtime.host.activated() (not under another PyTensor)
         return []
     from pytensor import config
     from pytensor.graph.fg import FunctionGraph

@@ -20,8 +20,6 @@ PyTensor (alchemist.runtime.backends configures it first) nor Numba (an optional
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 import warnings
 from functools import lru_cache
 
@@ -120,34 +118,3 @@ def tested() -> bool:
         stacklevel=2,
     )
     return False
-
-
-C_EXCEPTIONS = "pytensor.link.c.exceptions"
-
-
-def skip_setuptools_import() -> bool:
-    """Provide PyTensor's C exceptions module without importing setuptools (True if provided).
-
-    PyTensor's C VM imports that module on every process's first link, and the module imports setuptools (about
-    0.2 s, before a new process's first token) only to derive CompileError from setuptools' CompileError. This
-    puts the module's two classes in sys.modules first, CompileError derived from Exception (nothing in PyTensor
-    or alchemist catches it as setuptools'). Only under the tested PyTensor series, and only when the module has
-    not been imported yet; tests/test_pytensor_internals.py checks the names match the real module's."""
-    if C_EXCEPTIONS in sys.modules or not tested():
-        return False
-
-    class MissingGXX(Exception):
-        """This error is raised when we try to generate c code, but g++ is not available."""
-
-    class CompileError(Exception):
-        """Custom `Exception` prints compilation errors with their original formatting."""
-
-        def __str__(self):
-            return self.args[0]
-
-    module = types.ModuleType(C_EXCEPTIONS, "PyTensor's C exceptions, provided by alchemist without setuptools")
-    for cls in (MissingGXX, CompileError):
-        cls.__module__ = C_EXCEPTIONS
-        setattr(module, cls.__name__, cls)
-    sys.modules[C_EXCEPTIONS] = module
-    return True

@@ -28,6 +28,7 @@ import numpy as np
 
 from alchemist.errors import AlchemistError
 from alchemist.runtime import graph_cache
+from alchemist.runtime.host import activated
 from alchemist.runtime.engine import _SOURCE_SHA256, Engine, is_as_imported, layer_caches, load_or_compile, regroup
 
 import pytensor  # noqa: E402  (configured by alchemist.runtime.engine)
@@ -195,7 +196,7 @@ class SlotEngine:
         fn = self._functions.get(key)
         if fn is not None:
             return fn
-        with self.lock:
+        with self.lock, activated():
             fn = self._functions.get(key)
             if fn is not None:
                 return fn

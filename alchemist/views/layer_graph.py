@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from alchemist.errors import AlchemistError
+from alchemist.runtime.host import activating
 
 FORMATS = ("text", "dot", "png", "svg")
 SUFFIX_FORMAT = {".txt": "text", ".dot": "dot", ".gv": "dot", ".png": "png", ".svg": "svg"}
@@ -69,12 +70,13 @@ class _Weights(dict):
         return var
 
 
+@activating
 def build_layer_graph(model: str, layer: int, backend: str = "c", n_tokens: int = 1, capacity: int = 16) -> LayerGraph:
     """The graph of layer `layer` of a GGUF model (path or reference name) for `backend`, before rewrites."""
     from alchemist.arch import build_model_ir
     from alchemist.gguf_io import read_gguf
     from alchemist.models import resolve_model
-    from alchemist.runtime.backends import configure_pytensor, require_backend, static_shapes, uses_quantized_kernels
+    from alchemist.runtime.backends import require_backend, static_shapes, uses_quantized_kernels
 
     require_backend(backend)
     path = resolve_model(model)
@@ -88,7 +90,6 @@ def build_layer_graph(model: str, layer: int, backend: str = "c", n_tokens: int 
     if ir.layers[layer].attention is None:
         raise AlchemistError(f"--layer {layer}: a short-convolution layer; the layer graph draws attention layers")
 
-    configure_pytensor()
     import pytensor
     import pytensor.tensor as pt
 
@@ -134,6 +135,7 @@ def nodes_before(g: LayerGraph) -> list:
     return list(io_toposort(g.inputs, g.outputs))
 
 
+@activating
 def rewrite(g: LayerGraph):
     """The FunctionGraph after the backend mode's rewrites (as pytensor.function prepares it, without linking)."""
     from pytensor.compile.io import In, Out
