@@ -47,6 +47,9 @@ def test_wheel_ships_templates_and_generates_outside_the_repo(tmp_path):
     }
     assert "alchemist/templates/model.py.j2" in templates
     assert templates <= names, f"the wheel lacks {sorted(templates - names)}"
+    csrc = {f"alchemist/kernels/csrc/{p.name}" for p in (REPO / "alchemist" / "kernels" / "csrc").iterdir()}
+    assert "alchemist/kernels/csrc/quantized_matmul.cpp" in csrc
+    assert csrc <= names, f"the wheel lacks {sorted(csrc - names)}"
 
     # a fresh venv without pip: the main environment's pip installs into it, and a .pth file then lends it the
     # installed dependencies (the .pth files inside that directory, such as the editable alchemist's, stay inert)
@@ -69,3 +72,7 @@ def test_wheel_ships_templates_and_generates_outside_the_repo(tmp_path):
     (module,) = (work / "out").glob("*.py")
     probe = "import sys, alchemist.runtime.engine as e; print(e.import_generated(sys.argv[1]).__file__)"
     assert Path(_run(python, "-c", probe, module, cwd=work).strip()) == module
+    # the kernels' sources come from the wheel too, with the shared headers inlined
+    sources = "from alchemist.kernels import sources; print(sources.CSRC); print(len(sources.source('silu.cpp')))"
+    csrc_dir, silu_length = _run(python, "-c", sources, cwd=work).split()
+    assert Path(csrc_dir) == site / "alchemist" / "kernels" / "csrc" and int(silu_length) > 4000

@@ -26,6 +26,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from alchemist.runtime.host import activating
+
 _c_int, _c_ll, _c_float, _c_ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {  # entry point -> (restype, argtypes), as alchemist.kernels.native exports them
     "matmul": (_c_int, [_c_int, _c_int, _c_ptr, _c_ll, _c_ll, _c_ptr, _c_ll, _c_ptr]),
@@ -48,6 +50,7 @@ def available() -> bool:
 
 
 @lru_cache(maxsize=1)
+@activating  # the kernels' flags are PyTensor's (-march, BLAS) as alchemist sets them
 def _kernels():
     """The entry points (a namespace of ctypes functions), or None (no compiler, or a failed build: warned)."""
     import pytensor

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from alchemist.kernels import formats
 from alchemist.kernels.c_kernels import C_SOURCE
+from alchemist.kernels.sources import source
+from alchemist.runtime.host import activating
 
 # the `type_index` argument (also the type index of Numba's own kernels, alchemist.kernels.numba_kernels.KINDS)
 TYPE_INDEX = {name: i for i, name in enumerate(formats.SUPPORTED_TYPES)}
@@ -132,6 +134,7 @@ def _compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
 
 
+@activating
 def matmul_library(cxx: str) -> tuple[Path, str, str]:
     """(path, entry point's symbol, key) of the matmul library, built with `cxx` unless it is in the cache."""
     probe = hashlib.sha256(C_SOURCE.encode() + _ENTRY.encode()).hexdigest()[:16]
@@ -140,6 +143,7 @@ def matmul_library(cxx: str) -> tuple[Path, str, str]:
     return library, name, key
 
 
+@activating
 def _load(cxx: str):
     from llvmlite import binding
     from numba import types
@@ -186,12 +190,9 @@ ALCHEMIST_EXPORT void {p}_gelu(uintptr_t x, uintptr_t y, long long n) {{
 
 
 def _ops_source() -> str:
-    from alchemist.kernels.attention import ATTENTION_C
-    from alchemist.kernels.gelu import GELU_C
-    from alchemist.kernels.rope import ROPE_C
-    from alchemist.kernels.silu import SILU_C
-
-    return "\n".join(["#include <stdint.h>", ROPE_C, ATTENTION_C, SILU_C, GELU_C])
+    """The RoPE, attention, SiLU and GELU Ops' C code in one translation unit (each in its own namespace)."""
+    parts = (source(name) for name in ("rope.cpp", "attention.cpp", "silu.cpp", "gelu.cpp"))
+    return "\n".join(["#include <stdint.h>", *parts])
 
 
 def ops_kernels():
@@ -215,6 +216,7 @@ def ops_flags() -> list[str]:
     return [*GCC_compiler.compile_args(), *_openmp_flags(), "-O3", "-ffp-contract=off", "-fno-fast-math"]
 
 
+@activating
 def ops_library(cxx: str) -> tuple[Path, str, str]:
     """(path, the entry points' symbol prefix, key) of the ops library, built with `cxx` unless it is cached."""
     from alchemist.kernels.op import _openmp_flags
@@ -228,6 +230,7 @@ def ops_library(cxx: str) -> tuple[Path, str, str]:
     return library, prefix, key
 
 
+@activating
 def _ops_load(cxx: str):
     from llvmlite import binding
     from numba import types
@@ -255,6 +258,7 @@ extern "C" __attribute__((visibility("default"))) void {p}(uintptr_t x, uintptr_
 """
 
 
+@activating
 def rms_norm_library(cxx: str) -> tuple[Path, str, str]:
     """(path, entry point's symbol, key) of ggml's RMS norm loops (alchemist.kernels.rms_norm, the C Op's code) as a
     library of their own, with the ops' flags, for a backend calling C from Python (MLX)."""

@@ -25,43 +25,13 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.link.c.op import COp
 
-from alchemist.kernels.attention import V_EXPF_C, V_EXPF_INCLUDES, v_expf_reference
+from alchemist.kernels.attention import v_expf_reference
 from alchemist.kernels.c_same_shape import same_shape_c_code
 from alchemist.kernels.expansion import register_expansion
 from alchemist.kernels.native import register_numba_expansion
+from alchemist.kernels.sources import source
 
-SILU_C = (
-    r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-"""
-    + V_EXPF_INCLUDES
-    + r"""
-namespace alchemist_silu {
-"""
-    + V_EXPF_C
-    + r"""
-static void apply(const float *x, float *y, long long rows, long long n) {
-    const long long vec = n - n % 8;
-    for (long long r = 0; r < rows; ++r) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        long long i = 0;
-#if V_EXPF8
-        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-        for (; i < vec; i += 8) {
-            const __m256 v = _mm256_loadu_ps(xr + i);
-            _mm256_storeu_ps(yr + i, _mm256_div_ps(v, _mm256_add_ps(one, v_expf8(_mm256_sub_ps(zero, v)))));
-        }
-#endif
-        for (; i < vec; ++i) yr[i] = xr[i] / (1.0f + v_expf(0.0f - xr[i]));
-        for (long long i = vec; i < n; ++i) yr[i] = xr[i] / (1.0f + expf(-xr[i]));
-    }
-}
-}  // namespace alchemist_silu
-"""
-)
+SILU_C = source("silu.cpp")
 
 
 @lru_cache(maxsize=1)

@@ -64,12 +64,14 @@ _GRAPH_SOURCES = (
 
 @lru_cache(maxsize=1)
 def _alchemist_source_digest() -> str:
-    """sha256 over the files of _GRAPH_SOURCES: any change to an Op, a rewrite or the engine invalidates entries."""
+    """sha256 over the files of _GRAPH_SOURCES (Python, and the kernels' C/C++ in kernels/csrc): any change to an Op,
+    its C code, a rewrite or the engine invalidates entries."""
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for name in _GRAPH_SOURCES:
         target = root / name
-        for path in sorted(target.rglob("*.py")) if target.is_dir() else [target]:
+        files = [p for p in target.rglob("*") if p.suffix in (".py", ".c", ".cpp", ".h")] if target.is_dir() else [target]
+        for path in sorted(files):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()

@@ -1,0 +1,31 @@
+"""The kernels' C and C++ live in alchemist/kernels/csrc as source files: shared headers are inlined into each
+Op's one translation unit, and every file there is one an Op or a library builds."""
+
+from __future__ import annotations
+
+import re
+
+from alchemist.kernels import sources
+
+
+def test_local_includes_are_inlined_and_system_ones_kept():
+    silu, attention, header = sources.source("silu.cpp"), sources.source("attention.cpp"), sources.source("v_expf.h")
+    assert header in silu and header in attention  # one vectorized expf, shared by the two ops
+    for text in (silu, attention):
+        assert not re.search(r'^#include "', text, re.M)
+        assert "#include <math.h>" in text
+    handlers = sources.source("jax_ffi_handlers.cpp")
+    assert '#include "xla/ffi/api/ffi.h"' in handlers  # not a file of csrc/: left for the compiler
+
+
+def test_every_source_file_is_used():
+    from alchemist.kernels import attention, c_kernels, gelu, jax_ffi, native, rms_norm, rope, silu
+
+    used = {"v_expf.h", "v_expf_includes.h", jax_ffi._HANDLERS}
+    compiled = [c_kernels.C_SOURCE, attention.ATTENTION_C, silu.SILU_C, gelu.GELU_C, rms_norm.RMS_NORM_C, rope.ROPE_C]
+    for path in sorted(sources.CSRC.iterdir()):
+        text = sources.source(path.name)
+        if any(text.split("/*Q5_HIGH_BITS*/")[0] in c for c in compiled):  # the matmul's table is generated
+            used.add(path.name)
+    assert {p.name for p in sources.CSRC.iterdir()} == used
+    assert native._ops_source().count(sources.source("v_expf.h")) == 2  # attention's and SiLU's
