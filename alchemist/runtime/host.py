@@ -93,7 +93,7 @@ def activated():
 
             stack = ExitStack()
             with warnings.catch_warnings():  # change_flags reads the old value: PyTensor's BLAS probe, not ours to report
-                warnings.filterwarnings("ignore", message=".*implementation for BLAS functions")
+                warnings.filterwarnings("ignore", message="PyTensor could not link to a BLAS installation")
                 stack.enter_context(pytensor.config.change_flags(**_flags()))
             march = pytensor_internals.GCC_compiler.march_flags
             restore_gcc_march_flags()
