@@ -91,17 +91,17 @@ def activated():
 
             from alchemist.runtime.backends import restore_gcc_march_flags
 
-            stack = ExitStack()
-            with warnings.catch_warnings():  # change_flags reads the old value: PyTensor's BLAS probe, not ours to report
-                warnings.filterwarnings("ignore", message="PyTensor could not link to a BLAS installation")
-                stack.enter_context(pytensor.config.change_flags(**_flags()))
-            march = pytensor_internals.GCC_compiler.march_flags
-            restore_gcc_march_flags()
-            stack.callback(setattr, pytensor_internals.GCC_compiler, "march_flags", march)
-            _install_once()
-            _apply(1)
-            stack.callback(_apply, 0)
-            _exit = stack
+            with ExitStack() as stack:  # closed right away if setting up fails half-way
+                with warnings.catch_warnings():  # change_flags reads the old value: PyTensor's BLAS probe warns
+                    warnings.filterwarnings("ignore", message="PyTensor could not link to a BLAS installation")
+                    stack.enter_context(pytensor.config.change_flags(**_flags()))
+                march = pytensor_internals.GCC_compiler.march_flags
+                stack.callback(setattr, pytensor_internals.GCC_compiler, "march_flags", march)
+                restore_gcc_march_flags()
+                stack.callback(_apply, 0)
+                _install_once()
+                _apply(1)
+                _exit = stack.pop_all()
         _depth += 1
         try:
             yield
