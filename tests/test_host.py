@@ -107,3 +107,29 @@ def test_activated_sets_and_restores_in_order():
     assert [c.__dict__[n] for c, n in points] == before and pytensor.config.floatX == floatx
     changed = [n for (c, n), b, i in zip(points, before, inner) if b is not i]
     assert changed == ([n for _, n in points] if pytensor_internals.tested() else [])
+
+
+def test_the_system_blas_is_set_for_the_block_without_pytensors_probe():
+    """Inside activated() the C backend links the system OpenBLAS; a process that had not read blas__ldflags has
+    still not read it afterwards (PyTensor's BLAS probe, 0.3 s, runs only if the user reads it), and what the user
+    then reads is PyTensor's own default."""
+    from alchemist.runtime.backends import system_blas_ldflags
+
+    ldflags = system_blas_ldflags()
+    assert ldflags, "scripts/bootstrap.sh installs libopenblas-dev"
+    code = """
+import json, warnings
+import pytensor
+from alchemist.runtime.host import activated
+param = pytensor.config._config_var_dict["blas__ldflags"]
+with activated():
+    inside = pytensor.config.blas__ldflags
+unread = not hasattr(param, "val")
+warnings.simplefilter("ignore")
+print(json.dumps({"inside": inside, "unread": unread, "after": pytensor.config.blas__ldflags}))
+"""
+    seen = _run(code)
+    assert seen["inside"] == ldflags and seen["unread"]
+    alone = _run("import json, warnings, pytensor\nwarnings.simplefilter('ignore')\n"
+                 "print(json.dumps(pytensor.config.blas__ldflags))")
+    assert seen["after"] == alone

@@ -3,9 +3,10 @@
 Importing alchemist changes nothing in the process: no PyTensor flag, class or `sys.modules` entry. alchemist's
 own graph building and compiling run inside `activated()`, which, in this fixed order:
 
-1. sets two PyTensor flags with `pytensor.config.change_flags`: `floatX=float32` (a Python float in a graph is
-   float32, not float64) and `blas__ldflags` pointing at the system OpenBLAS (pip-installed PyTensor finds none),
-   unless PYTENSOR_FLAGS names one;
+1. sets two PyTensor flags: `floatX=float32` (a Python float in a graph is float32, not float64) and
+   `blas__ldflags` pointing at the system OpenBLAS (pip-installed PyTensor finds none) unless the user set one
+   (pytensor_internals.flag_for_block: a flag never read stays unread, so PyTensor's own BLAS probe never runs
+   for alchemist);
 2. gives PyTensor's compiler its remembered `-march` flags (backends.restore_gcc_march_flags: 0.3 s of g++ per
    process otherwise);
 3. installs the compile speed-ups over PyTensor's internals (alchemist.runtime.pytensor_internals lists every
@@ -22,9 +23,7 @@ see each other's settings), so a user's compile in another thread waits for alch
 
 from __future__ import annotations
 
-import os
 import threading
-import warnings
 from contextlib import ExitStack, contextmanager
 
 from alchemist.runtime import pytensor_internals
@@ -71,16 +70,6 @@ def _apply(which: int) -> None:
         setattr(cls, name, values[which])
 
 
-def _flags() -> dict:
-    from alchemist.runtime.backends import system_blas_ldflags
-
-    flags = {"floatX": "float32"}
-    ldflags = system_blas_ldflags()
-    if ldflags and "blas__ldflags" not in os.environ.get("PYTENSOR_FLAGS", ""):
-        flags["blas__ldflags"] = ldflags
-    return flags
-
-
 @contextmanager
 def activated():
     """alchemist's PyTensor settings and compile speed-ups for the duration of the block (see the module doc)."""
@@ -89,12 +78,13 @@ def activated():
         if _depth == 0:
             import pytensor
 
-            from alchemist.runtime.backends import restore_gcc_march_flags
+            from alchemist.runtime.backends import restore_gcc_march_flags, system_blas_ldflags
 
             with ExitStack() as stack:  # closed right away if setting up fails half-way
-                with warnings.catch_warnings():  # change_flags reads the old value: PyTensor's BLAS probe warns
-                    warnings.filterwarnings("ignore", message="PyTensor could not link to a BLAS installation")
-                    stack.enter_context(pytensor.config.change_flags(**_flags()))
+                stack.enter_context(pytensor.config.change_flags(floatX="float32"))
+                ldflags = system_blas_ldflags()
+                if ldflags and not pytensor_internals.user_set_flag("blas__ldflags"):
+                    stack.enter_context(pytensor_internals.flag_for_block("blas__ldflags", ldflags))
                 march = pytensor_internals.GCC_compiler.march_flags
                 stack.callback(setattr, pytensor_internals.GCC_compiler, "march_flags", march)
                 restore_gcc_march_flags()

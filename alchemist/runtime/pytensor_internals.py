@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from contextlib import contextmanager
 from functools import lru_cache
 
 TESTED_PYTENSOR = "3.3"  # the major.minor series; keep in step with pyproject's pin
@@ -87,6 +88,12 @@ SYMBOLS: dict[str, tuple[str, str, str]] = {
         "MLXLinker",
         "kernels.mlx_host subclasses it: jit_compile skips mx.compile (use_compile) for a graph calling C",
     ),
+    "ConfigParam": (
+        "pytensor.configparser",
+        "ConfigParam",
+        "host sets blas__ldflags for a block without reading it first (a ConfigParam holds its value in `val`, "
+        "computed from the default on first read: for blas__ldflags PyTensor's BLAS probe, 0.3 s)",
+    ),
     "numba_external_function": (
         "numba.core.types",
         "ExternalFunction",
@@ -118,3 +125,33 @@ def tested() -> bool:
         stacklevel=2,
     )
     return False
+
+
+def user_set_flag(name: str) -> bool:
+    """Whether the user gave PyTensor flag `name` (PYTENSOR_FLAGS or .pytensorrc)."""
+    import pytensor
+
+    try:
+        pytensor.config.fetch_val_for_key(name)
+    except KeyError:
+        return False
+    return True
+
+
+@contextmanager
+def flag_for_block(name: str, value):
+    """pytensor.config.change_flags(name=value), except that a flag nobody has read yet stays unread: change_flags
+    reads the old value first, which for blas__ldflags runs PyTensor's BLAS probe; here the flag's value is set
+    for the block and removed after it, so a later read computes PyTensor's default as it would have."""
+    import pytensor
+
+    param = pytensor.config._config_var_dict[name]  # noqa: SLF001 - the flag's ConfigParam
+    if not tested() or not isinstance(param, __getattr__("ConfigParam")) or hasattr(param, "val"):
+        with pytensor.config.change_flags(**{name: value}):
+            yield
+        return
+    param.__set__(pytensor.config, value)
+    try:
+        yield
+    finally:
+        del param.val
