@@ -7,7 +7,8 @@ result = inference(model, input="What's causal inference?", max_tokens=32)
 
 # Importing alchemist changes nothing in the process: its PyTensor settings (float32, the system BLAS) and compile
 # speed-ups are switched on around its own graph building and compiling only (alchemist.runtime.host).
-__version__ = "0.1.0"
+from alchemist.version import __version__
+
 __all__ = ["inference", "load_llm", "__version__"]
 
 

@@ -199,7 +199,8 @@ def main(argv=None) -> int:
     if args.threads:
         for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = str(args.threads)
-    from alchemist.runtime.backends import blas_info, configure_pytensor, get_mode
+    from alchemist.runtime.backends import blas_info, get_mode
+    from alchemist.runtime.host import configure_pytensor
 
     configure_pytensor()
     if args.e2e:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from alchemist.runtime.backends import configure_pytensor
+from alchemist.runtime.host import configure_pytensor
 
 configure_pytensor()
 

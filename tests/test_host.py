@@ -113,7 +113,7 @@ def test_the_system_blas_is_set_for_the_block_without_pytensors_probe():
     """Inside activated() the C backend links the system OpenBLAS; a process that had not read blas__ldflags has
     still not read it afterwards (PyTensor's BLAS probe, 0.3 s, runs only if the user reads it), and what the user
     then reads is PyTensor's own default."""
-    from alchemist.runtime.backends import system_blas_ldflags
+    from alchemist.runtime.host import system_blas_ldflags
 
     ldflags = system_blas_ldflags()
     assert ldflags, "scripts/bootstrap.sh installs libopenblas-dev"

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from alchemist.runtime.backends import configure_pytensor
+from alchemist.runtime.host import configure_pytensor
 
 configure_pytensor()
 

@@ -119,7 +119,7 @@ def require_passing_audit(module_path, ir) -> AuditReport:
     auditor's own source), so a module already audited costs a hash and a small read."""
     import json
 
-    from alchemist import __version__
+    from alchemist.version import __version__
     from alchemist.paths import cache_subdir, remember
 
     path = Path(module_path)

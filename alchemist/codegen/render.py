@@ -18,7 +18,7 @@ import black
 import jinja2
 import libcst
 
-from alchemist import __version__
+from alchemist.version import __version__
 from alchemist import ir as ir_module
 from alchemist.errors import UnsupportedModelError
 from alchemist.ir import Activation, LayerSpec, MLPKind, ModelIR, QKNormScope, RopeScaling, RopeStyle, Wiring

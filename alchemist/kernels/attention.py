@@ -205,6 +205,8 @@ class CausalAttentionGgml(COp):
     (B, T) and (B, S), sinks (N_HEAD,) float32 when has_sinks -> (B*T, N_HEAD*HEAD_DIM) float32.
     scale multiplies q·k (1.0 where the queries are pre-scaled), then the softcap (0: none) applies."""
 
+    computes_ggml_kernel = True  # kernels.expansion: JAX and MLX call its C code where they can
+
     __props__ = ("n_head", "n_kv_head", "head_dim", "window", "scale", "softcap", "has_sinks")
 
     def __init__(self, n_head, n_kv_head, head_dim, window=0, scale=1.0, softcap=0.0, has_sinks=False):

@@ -1,6 +1,11 @@
-"""The rewrite that expands a C-only Op into PyTensor ops on the backends that do not run its C code."""
+"""The rewrite that expands a C-only Op into PyTensor ops on the backends that do not run its C code.
+
+A leaf module: the Op modules register their expansions here, and the backends that call the C code (JAX's custom
+calls, MLX's host calls) register whether they can; nothing here imports an Op."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 
 def register_expansion(name: str, *rewriters, backends: tuple[str, ...] = ("numba", "jax", "mlx")) -> None:
@@ -22,29 +27,25 @@ def register_expansion(name: str, *rewriters, backends: tuple[str, ...] = ("numb
 
 
 def is_ggml_kernel_node(node) -> bool:
-    """True for the Ops numerics="ggml" computes in C (their C code, which JAX and MLX call too): a QuantizedMatmul
-    with numerics="ggml", RmsNormGgml, RopeCacheGgml, RopeGgml, CausalAttentionGgml, SiluGgml, GeluTable."""
-    from alchemist.kernels.attention import CausalAttentionGgml
-    from alchemist.kernels.gelu import GeluTable
-    from alchemist.kernels.op import QuantizedMatmul
-    from alchemist.kernels.rms_norm import RmsNormGgml
-    from alchemist.kernels.rope import RopeCacheGgml, RopeGgml
-    from alchemist.kernels.silu import SiluGgml
+    """True for the Ops numerics="ggml" computes in C (their C code, which JAX and MLX call too): those whose
+    `computes_ggml_kernel` says so (a QuantizedMatmul with numerics="ggml", RmsNormGgml, RopeCacheGgml, RopeGgml,
+    CausalAttentionGgml, SiluGgml, GeluTable)."""
+    return bool(getattr(node.op, "computes_ggml_kernel", False))
 
-    op = node.op
-    if isinstance(op, QuantizedMatmul):
-        return op.numerics == "ggml"
-    return isinstance(op, (RmsNormGgml, RopeCacheGgml, RopeGgml, CausalAttentionGgml, SiluGgml, GeluTable))
+
+# backend -> available(): whether it computes those Ops by their C code (registered by kernels.jax_ffi, mlx_host)
+_KERNEL_BACKENDS: dict[str, Callable[[], bool]] = {}
+
+
+def register_kernel_backend(backend: str, available: Callable[[], bool]) -> None:
+    _KERNEL_BACKENDS[backend] = available
 
 
 def kernels_compute(backend: str, node) -> bool:
     """True when `backend` (jax, mlx) computes `node` by alchemist's C code rather than by its formula: one of the
     Ops above, and the backend's kernels are there (alchemist.kernels.jax_ffi, mlx_host)."""
-    if not is_ggml_kernel_node(node):
-        return False
-    from alchemist.kernels import jax_ffi, mlx_host
-
-    return {"jax": jax_ffi, "mlx": mlx_host}[backend].available()
+    available = _KERNEL_BACKENDS.get(backend)
+    return is_ggml_kernel_node(node) and available is not None and available()
 
 
 def _unless_kernels(backend: str, rewriter):

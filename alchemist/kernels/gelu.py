@@ -31,6 +31,8 @@ GELU_C = source("gelu.cpp")
 class GeluTable(COp):
     """x float32 (any shape) -> ggml's table GELU of x (see the module docstring)."""
 
+    computes_ggml_kernel = True  # kernels.expansion: JAX and MLX call its C code where they can
+
     __props__ = ()
 
     def make_node(self, x):

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from alchemist.kernels import sources
+from alchemist.kernels import expansion, sources
 from alchemist.runtime.host import activating
 
 # one XLA FFI target per kernel; the prefix keeps them apart from any other library's
@@ -42,6 +42,9 @@ def _wanted() -> bool:
 def available() -> bool:
     """True when JAX runs the ggml Ops as custom calls (the library built and its targets registered)."""
     return _wanted() and _registered()
+
+
+expansion.register_kernel_backend("jax", available)
 
 
 @lru_cache(maxsize=1)

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from alchemist.kernels import expansion
 from alchemist.runtime.host import activating
 
 _c_int, _c_ll, _c_float, _c_ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
@@ -47,6 +48,9 @@ def _wanted() -> bool:
 def available() -> bool:
     """True when MLX runs the ggml Ops by their C code (the libraries built and loaded)."""
     return _wanted() and _kernels() is not None
+
+
+expansion.register_kernel_backend("mlx", available)
 
 
 @lru_cache(maxsize=1)

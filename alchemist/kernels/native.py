@@ -262,12 +262,11 @@ extern "C" __attribute__((visibility("default"))) void {p}(uintptr_t x, uintptr_
 def rms_norm_library(cxx: str) -> tuple[Path, str, str]:
     """(path, entry point's symbol, key) of ggml's RMS norm loops (alchemist.kernels.rms_norm, the C Op's code) as a
     library of their own, with the ops' flags, for a backend calling C from Python (MLX)."""
-    from alchemist.kernels.rms_norm import RMS_NORM_C
-
-    name = f"alchemist_rms_norm_{hashlib.sha256((RMS_NORM_C + _RMS_NORM_ENTRY).encode()).hexdigest()[:16]}"
-    source = "#include <stdint.h>\n" + RMS_NORM_C + _RMS_NORM_ENTRY.format(p=name)
+    rms_norm = source("rms_norm.cpp")
+    name = f"alchemist_rms_norm_{hashlib.sha256((rms_norm + _RMS_NORM_ENTRY).encode()).hexdigest()[:16]}"
+    text = "#include <stdint.h>\n" + rms_norm + _RMS_NORM_ENTRY.format(p=name)
     command = [cxx, "-shared", *ops_flags(), "-o", "k.so", "k.cpp"]
-    library, key = _library(source, command, _compiler_version(cxx))
+    library, key = _library(text, command, _compiler_version(cxx))
     return library, name, key
 
 

@@ -121,6 +121,10 @@ class QuantizedMatmul(_KernelCOp):
     # n_out and n_in reach the C code as run-time parameters: every shape of one ggml type shares one module
     params_type = ParamsType(n_out=int64, n_in=int64)
 
+    @property
+    def computes_ggml_kernel(self) -> bool:  # kernels.expansion: JAX and MLX call its ggml kernel where they can
+        return self.numerics == "ggml"
+
     def __init__(self, ggml_type: str, n_out: int, n_in: int, numerics: str = "exact"):
         formats.block_size(ggml_type)  # raises for unsupported types
         self.ggml_type = ggml_type

@@ -63,6 +63,8 @@ class RmsNormGgml(COp):
     """x float32 (..., n)[, w float32 (n,)] -> x · 1/sqrt(mean(x²) + eps) over the last axis [· w], as ggml computes
     it (module docstring). The weight is an input, not a separate Mul: one node per norm instead of three."""
 
+    computes_ggml_kernel = True  # kernels.expansion: JAX and MLX call its C code where they can
+
     __props__ = ("eps", "weighted")
 
     def __init__(self, eps: float, weighted: bool = False):

@@ -59,6 +59,8 @@ class RopeCacheGgml(COp):
     """positions int64 (T,) [, freq_factors float32 (>= n_dims/2,)] -> (T, n_dims/2, 2) float32 (cos, sin) per
     rotated pair, as ggml's ggml_rope_cache_init computes them (module docstring)."""
 
+    computes_ggml_kernel = True  # kernels.expansion: JAX and MLX call its C code where they can
+
     __props__ = (
         "n_dims",
         "freq_base",
@@ -164,6 +166,8 @@ class RopeCacheGgml(COp):
 class RopeGgml(COp):
     """x float32 (T, heads, head_dim), cache (T, n_dims/2, 2) from RopeCacheGgml -> x with its first n_dims dims
     of every head rotated as ggml rotates them ("neox" or "norm" pairs; module docstring)."""
+
+    computes_ggml_kernel = True  # kernels.expansion: JAX and MLX call its C code where they can
 
     __props__ = ("style", "n_dims")
 

@@ -61,6 +61,8 @@ def silu_reference(x: np.ndarray) -> np.ndarray:
 class SiluGgml(COp):
     """x float32 (at least 1-d) -> ggml's SiLU of x, rows along the last axis (see the module docstring)."""
 
+    computes_ggml_kernel = True  # kernels.expansion: JAX and MLX call its C code where they can
+
     __props__ = ()
 
     def make_node(self, x):

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from alchemist import __version__
+from alchemist.version import __version__
 from alchemist.arch import build_model_ir
 from alchemist.codegen import module_slug, render_module
 from alchemist.errors import AlchemistError

@@ -24,8 +24,8 @@ import pytensor
 import pytensor.tensor as pt
 
 from alchemist.runtime import compile_progress, graph_cache, parallel_build, pytensor_internals
-from alchemist.runtime.backends import get_mode, one_blas_thread, static_shapes
-from alchemist.runtime.host import activated
+from alchemist.runtime.backends import get_mode, static_shapes
+from alchemist.runtime.host import activated, one_blas_thread
 
 PREFILL_BUCKETS = (8, 32, 128, 512)
 SHORT_PROMPT = 8  # up to this many tokens, a prompt may go through the decode function (Engine._decode_is_quicker)

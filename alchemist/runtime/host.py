@@ -7,7 +7,7 @@ own graph building and compiling run inside `activated()`, which, in this fixed 
    `blas__ldflags` pointing at the system OpenBLAS (pip-installed PyTensor finds none) unless the user set one
    (pytensor_internals.flag_for_block: a flag never read stays unread, so PyTensor's own BLAS probe never runs
    for alchemist);
-2. gives PyTensor's compiler its remembered `-march` flags (backends.restore_gcc_march_flags: 0.3 s of g++ per
+2. gives PyTensor's compiler its remembered `-march` flags (restore_gcc_march_flags: 0.3 s of g++ per
    process otherwise);
 3. installs the compile speed-ups over PyTensor's internals (alchemist.runtime.pytensor_internals lists every
    private symbol; each is tested against the pinned PyTensor series), in the order they wrap one another:
@@ -23,10 +23,15 @@ see each other's settings), so a user's compile in another thread waits for alch
 
 from __future__ import annotations
 
+import ctypes.util
+import os
 import threading
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 from alchemist.runtime import pytensor_internals
+
+_OPENBLAS_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 _lock = threading.RLock()
 _depth = 0
@@ -78,8 +83,6 @@ def activated():
         if _depth == 0:
             import pytensor
 
-            from alchemist.runtime.backends import restore_gcc_march_flags, system_blas_ldflags
-
             with ExitStack() as stack:  # closed right away if setting up fails half-way
                 stack.enter_context(pytensor.config.change_flags(floatX="float32"))
                 ldflags = system_blas_ldflags()
@@ -117,3 +120,88 @@ def activating(function):
             return function(*args, **kwargs)
 
     return wrapper
+
+
+def system_blas_ldflags() -> str | None:
+    """PyTensor's blas__ldflags for the system OpenBLAS (Debian's libopenblas-dev), or None without one."""
+    for d in _OPENBLAS_DIRS:
+        if Path(d, "libopenblas.so").exists():
+            return f"-L{d} -lopenblas"
+    return "-lopenblas" if ctypes.util.find_library("openblas") else None
+
+
+def one_blas_thread() -> None:
+    """Run the system OpenBLAS (the one the C backend links) on one thread, unless OPENBLAS_NUM_THREADS says
+    otherwise. Our kernels parallelize with OpenMP; OpenBLAS's own pthread pool spin-waits between calls and
+    fights the OpenMP team for the cores, which made a prefill (OpenMP dequantization of weight panels, then
+    sgemm) several times slower. numpy's bundled OpenBLAS is another library and is left alone."""
+    if "OPENBLAS_NUM_THREADS" in os.environ:
+        return
+    try:
+        ctypes.CDLL("libopenblas.so.0").openblas_set_num_threads(1)  # the soname the compiled modules load
+    except (OSError, AttributeError):
+        pass
+
+
+def configure_pytensor() -> None:
+    """For a process that wants alchemist's settings everywhere (the test suite, benchmarks), not called by
+    alchemist itself (alchemist.runtime.host sets them around its own compiles): set PyTensor's flags before
+    pytensor is first imported (BLAS for the C backend, float32 default) and the system OpenBLAS to one thread."""
+    one_blas_thread()  # also when blas__ldflags came in PYTENSOR_FLAGS (a child of a process that set it)
+    flags = os.environ.get("PYTENSOR_FLAGS", "")
+    extra = []
+    if "blas__ldflags" not in flags:
+        ldflags = system_blas_ldflags()
+        if ldflags:
+            extra.append(f"blas__ldflags={ldflags}")
+    if "floatX" not in flags:
+        extra.append("floatX=float32")
+    if extra:
+        os.environ["PYTENSOR_FLAGS"] = ",".join(([flags] if flags else []) + extra)
+
+
+def restore_gcc_march_flags() -> None:
+    """Give PyTensor its `-march=native`-equivalent g++ flags from our cache instead of re-detecting them.
+
+    PyTensor detects them once per process by running g++ (0.3 s of every model load). They depend on the
+    compiler and the CPU only, so we remember them keyed by both; a different machine sharing the home
+    directory gets its own entry. Call after pytensor is imported, before anything is compiled.
+    """
+    import hashlib
+    import json
+    import shutil
+
+    import pytensor
+
+    from alchemist.paths import cache_subdir, remember
+    from alchemist.runtime.pytensor_internals import GCC_compiler
+
+    if GCC_compiler.march_flags is not None or not pytensor.config.cxx:
+        return
+    compiler = shutil.which(pytensor.config.cxx) or pytensor.config.cxx
+    try:
+        st = os.stat(compiler)
+        cpu = [
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "model name"))
+        ]
+    except OSError:
+        return
+    identity = [
+        os.path.realpath(compiler),
+        st.st_size,
+        st.st_mtime_ns,
+        sorted(set(cpu)),
+        pytensor.__version__,
+        pytensor.config.gcc__cxxflags,
+    ]
+    memo = cache_subdir("march") / (hashlib.sha256(json.dumps(identity).encode()).hexdigest() + ".json")
+    try:
+        flags = json.loads(memo.read_text())
+        if isinstance(flags, list) and all(isinstance(f, str) and f and f.split() == [f] for f in flags):
+            GCC_compiler.march_flags = flags
+            return
+    except (OSError, ValueError):
+        pass
+    GCC_compiler.compile_args()  # detects and sets GCC_compiler.march_flags
+    if GCC_compiler.march_flags is not None:
+        remember(memo, json.dumps(GCC_compiler.march_flags))
