@@ -6,7 +6,7 @@ result = inference(model, input="What's causal inference?", max_tokens=32)
 """
 
 # Importing alchemist changes nothing in the process: its PyTensor settings (float32, the system BLAS) and compile
-# speed-ups are switched on around its own graph building and compiling only (alchemist.runtime.host).
+# speed-ups are switched on around its own graph building and compiling only (alchemist.pytensor_ext.host).
 from alchemist.version import __version__
 
 __all__ = ["inference", "load_llm", "__version__"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from alchemist.errors import AlchemistError
-from alchemist.runtime.host import activating
+from alchemist.pytensor_ext.host import activating
 
 
 @dataclass

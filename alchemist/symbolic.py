@@ -28,7 +28,7 @@ from pytensor.graph.traversal import ancestors
 
 from alchemist.errors import AlchemistError
 from alchemist.kernels import QuantizedEmbedding
-from alchemist.runtime.host import activating
+from alchemist.pytensor_ext.host import activating
 
 
 def _token_vector(model, ids) -> Variable:

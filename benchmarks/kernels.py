@@ -200,7 +200,7 @@ def main(argv=None) -> int:
         for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = str(args.threads)
     from alchemist.runtime.backends import blas_info, get_mode
-    from alchemist.runtime.host import configure_pytensor
+    from alchemist.pytensor_ext.host import configure_pytensor
 
     configure_pytensor()
     if args.e2e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from alchemist.runtime.host import configure_pytensor
+from alchemist.pytensor_ext.host import configure_pytensor
 
 # The suite is a host that wants alchemist's settings everywhere (float32, the system BLAS), also for the graphs
 # the tests build themselves: set PyTensor's flags before anything imports it. alchemist itself changes nothing

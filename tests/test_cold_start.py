@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from alchemist.runtime import engine as engine_mod  # configures PyTensor before it is imported below
-from alchemist.runtime.compile_progress import CompileEvent, TqdmProgress
+from alchemist.pytensor_ext.compile_progress import CompileEvent, TqdmProgress
 
 import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402
@@ -126,8 +126,9 @@ def test_precompile_pipelined_gives_the_logits_of_separate_compiles(tiny_module,
 _PREBUILD_SCRIPT = r"""
 import json, sys
 import numpy as np
-from alchemist.runtime import engine, parallel_build
-from alchemist.runtime.host import activated
+from alchemist.runtime import engine
+from alchemist.pytensor_ext import parallel_build
+from alchemist.pytensor_ext.host import activated
 import pytensor, pytensor.tensor as pt
 from pytensor.link.c.basic import CLinker
 

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from alchemist.runtime.host import configure_pytensor
+from alchemist.pytensor_ext.host import configure_pytensor
 
 configure_pytensor()
 

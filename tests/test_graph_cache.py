@@ -108,7 +108,8 @@ def _generate_in_a_new_process(module_file: str, gguf_path, graph_dir, out) -> d
         import json
         import numpy as np
         from pathlib import Path
-        from alchemist.runtime import fast_link, graph_cache
+        from alchemist.runtime import graph_cache
+        from alchemist.pytensor_ext import fast_link
         graph_cache.cache_dir = lambda: Path({str(graph_dir)!r})
         from alchemist.runtime.engine import Engine, import_generated
         import pytensor.link.c.cmodule as cmodule
@@ -265,8 +266,8 @@ def test_file_sha256_is_remembered_until_the_file_changes(tmp_path):
 
 
 def test_fast_link_reuses_modules_and_changes_nothing(tiny_module, tmp_path):
-    """alchemist.runtime.fast_link on (the default) vs off in a fresh process: bit-identical logits."""
-    from alchemist.runtime import fast_link
+    """alchemist.pytensor_ext.fast_link on (the default) vs off in a fresh process: bit-identical logits."""
+    from alchemist.pytensor_ext import fast_link
 
     mod, path = tiny_module("gemma3")
     before = dict(fast_link.stats)
@@ -278,7 +279,7 @@ def test_fast_link_reuses_modules_and_changes_nothing(tiny_module, tmp_path):
     out = tmp_path / "plain.npy"
     script = textwrap.dedent(f"""
         import numpy as np
-        from alchemist.runtime import fast_link
+        from alchemist.pytensor_ext import fast_link
         from alchemist.runtime.engine import Engine, import_generated
         assert not fast_link._enabled
         mod = import_generated({mod.__file__!r})

@@ -9,14 +9,14 @@ import os
 import subprocess
 import sys
 
-from alchemist.runtime import pytensor_internals
-from alchemist.runtime.host import activated
+from alchemist.pytensor_ext import pytensor_internals
+from alchemist.pytensor_ext.host import activated
 
 _STATE = """
 def state():
     import os, sys
     import pytensor
-    from alchemist.runtime.host import _patch_points
+    from alchemist.pytensor_ext.host import _patch_points
     return {
         "floatX": pytensor.config.floatX,
         "PYTENSOR_FLAGS": os.environ.get("PYTENSOR_FLAGS"),
@@ -91,7 +91,7 @@ def test_activated_sets_and_restores_in_order():
     """Inside: float32 and the speed-ups (re-entrant); outside: exactly the attributes and flags from before."""
     import pytensor
 
-    from alchemist.runtime.host import _patch_points, active
+    from alchemist.pytensor_ext.host import _patch_points, active
 
     points = _patch_points()
     before = [c.__dict__[n] for c, n in points]
@@ -113,14 +113,14 @@ def test_the_system_blas_is_set_for_the_block_without_pytensors_probe():
     """Inside activated() the C backend links the system OpenBLAS; a process that had not read blas__ldflags has
     still not read it afterwards (PyTensor's BLAS probe, 0.3 s, runs only if the user reads it), and what the user
     then reads is PyTensor's own default."""
-    from alchemist.runtime.host import system_blas_ldflags
+    from alchemist.pytensor_ext.host import system_blas_ldflags
 
     ldflags = system_blas_ldflags()
     assert ldflags, "scripts/bootstrap.sh installs libopenblas-dev"
     code = """
 import json, warnings
 import pytensor
-from alchemist.runtime.host import activated
+from alchemist.pytensor_ext.host import activated
 param = pytensor.config._config_var_dict["blas__ldflags"]
 with activated():
     inside = pytensor.config.blas__ldflags

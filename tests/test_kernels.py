@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from alchemist.runtime.host import configure_pytensor
+from alchemist.pytensor_ext.host import configure_pytensor
 
 configure_pytensor()
 
@@ -304,7 +304,7 @@ def test_gradient_with_respect_to_x():
 _CACHED_RUN = """
 import numpy as np
 from alchemist.runtime.backends import get_mode
-from alchemist.runtime.host import configure_pytensor
+from alchemist.pytensor_ext.host import configure_pytensor
 configure_pytensor()
 import pytensor, pytensor.tensor as pt
 from alchemist.kernels import quantized_linear

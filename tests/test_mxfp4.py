@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from alchemist.runtime.host import configure_pytensor
+from alchemist.pytensor_ext.host import configure_pytensor
 
 configure_pytensor()
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("numba")
 
-from alchemist.runtime import engine as _engine  # noqa: F401,E402 - configures PyTensor before it is imported
+from alchemist.runtime import engine as _engine  # noqa: F401, E402 - configures PyTensor before it is imported
 
 import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402

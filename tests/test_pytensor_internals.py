@@ -1,4 +1,4 @@
-"""Each PyTensor / Numba internal alchemist uses (alchemist.runtime.pytensor_internals) exists and takes the
+"""Each PyTensor / Numba internal alchemist uses (alchemist.pytensor_ext.pytensor_internals) exists and takes the
 arguments alchemist passes; no other module reaches around that list. Run this file first on a new PyTensor."""
 
 import ast
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import alchemist.runtime.engine  # noqa: F401 - configures PyTensor as alchemist runs it
-from alchemist.runtime import pytensor_internals as internals
+from alchemist.pytensor_ext import pytensor_internals as internals
 
 ALCHEMIST = Path(internals.__file__).resolve().parents[1]
 
@@ -269,9 +269,9 @@ def _validation_outcomes() -> list[str]:
 
 
 def test_fast_supervisor_refuses_and_accepts_what_pytensors_does(monkeypatch):
-    """alchemist.runtime.fast_supervisor's check against PyTensor's own Supervisor.on_validate, replacement by
+    """alchemist.pytensor_ext.fast_supervisor's check against PyTensor's own Supervisor.on_validate, replacement by
     replacement, on a graph where it must refuse (an in-place op on a protected input) and accept."""
-    from alchemist.runtime.host import activated
+    from alchemist.pytensor_ext.host import activated
 
     with activated():
         ours = internals.Supervisor.on_validate

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from alchemist.audit.checks import Context, ggml_sizes, result
-from alchemist.runtime.host import activating
+from alchemist.pytensor_ext.host import activating
 
 N_TOKENS = 3  # static token count of the probe graph
 CAPACITY = 7  # static KV-cache rows

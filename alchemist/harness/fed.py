@@ -20,7 +20,7 @@ import numpy as np
 
 from alchemist.errors import AlchemistError
 from alchemist.harness.metrics import nmse
-from alchemist.runtime.host import activating
+from alchemist.pytensor_ext.host import activating
 
 FED_TOL = 1e-10  # the bar: a layer fed llama.cpp's input reproduces llama.cpp's output to this NMSE
 # what llama.cpp names the tensor its first block reads, latest in its graph wins (build_inp_embd's "embd";

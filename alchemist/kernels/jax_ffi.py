@@ -26,7 +26,7 @@ from functools import lru_cache
 import numpy as np
 
 from alchemist.kernels import expansion, sources
-from alchemist.runtime.host import activating
+from alchemist.pytensor_ext.host import activating
 
 # one XLA FFI target per kernel; the prefix keeps them apart from any other library's
 _PREFIX = "alchemist_ggml_"
@@ -119,7 +119,7 @@ def register() -> None:
     from alchemist.kernels.rms_norm import RmsNormGgml
     from alchemist.kernels.rope import RopeCacheGgml, RopeGgml
     from alchemist.kernels.silu import SiluGgml
-    from alchemist.runtime.pytensor_internals import jax_funcify
+    from alchemist.pytensor_ext.pytensor_internals import jax_funcify
 
     i32, i64, f32 = np.int32, np.int64, np.float32
 

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from alchemist.kernels import expansion
-from alchemist.runtime.host import activating
+from alchemist.pytensor_ext.host import activating
 
 _c_int, _c_ll, _c_float, _c_ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {  # entry point -> (restype, argtypes), as alchemist.kernels.native exports them
@@ -116,7 +116,7 @@ def register() -> None:
     from alchemist.kernels.rms_norm import RmsNormGgml
     from alchemist.kernels.rope import RopeCacheGgml, RopeGgml
     from alchemist.kernels.silu import SiluGgml
-    from alchemist.runtime.pytensor_internals import mlx_funcify
+    from alchemist.pytensor_ext.pytensor_internals import mlx_funcify
 
     f32, i64 = np.float32, np.int64
 
@@ -251,7 +251,7 @@ def linker_class():
 
 @lru_cache(maxsize=1)
 def _linker_class():
-    from alchemist.runtime.pytensor_internals import MLXLinker
+    from alchemist.pytensor_ext.pytensor_internals import MLXLinker
 
     class MLXLinkerForKernels(MLXLinker):
         def jit_compile(self, fn):

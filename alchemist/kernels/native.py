@@ -31,7 +31,7 @@ from pathlib import Path
 from alchemist.kernels import formats
 from alchemist.kernels.c_kernels import C_SOURCE
 from alchemist.kernels.sources import source
-from alchemist.runtime.host import activating
+from alchemist.pytensor_ext.host import activating
 
 # the `type_index` argument (also the type index of Numba's own kernels, alchemist.kernels.numba_kernels.KINDS)
 TYPE_INDEX = {name: i for i, name in enumerate(formats.SUPPORTED_TYPES)}
@@ -65,7 +65,7 @@ def _command(cxx: str) -> list[str]:
     """The compiler command, run in the build folder: PyTensor's own g++ flags (-march=..., -fPIC) and the kernel
     Ops' flags and libraries."""
     from alchemist.kernels.op import _blas_flags, kernel_compile_args, kernel_libraries
-    from alchemist.runtime.pytensor_internals import GCC_compiler
+    from alchemist.pytensor_ext.pytensor_internals import GCC_compiler
 
     includes = [f"-I{d}" for d in _blas_flags(include_dir=True)]
     links = [f"-L{d}" for d in _blas_flags(libs_dir=True)] + [f"-l{lib}" for lib in kernel_libraries()]
@@ -148,7 +148,7 @@ def _load(cxx: str):
     from llvmlite import binding
     from numba import types
 
-    from alchemist.runtime.pytensor_internals import numba_external_function
+    from alchemist.pytensor_ext.pytensor_internals import numba_external_function
 
     library, name, key = matmul_library(cxx)
     binding.load_library_permanently(str(library))
@@ -211,7 +211,7 @@ def _ops_built():
 def ops_flags() -> list[str]:
     """The flags the C backend builds these Ops with: PyTensor's (-march=...), OpenMP, no FMA contraction."""
     from alchemist.kernels.op import _openmp_flags
-    from alchemist.runtime.pytensor_internals import GCC_compiler
+    from alchemist.pytensor_ext.pytensor_internals import GCC_compiler
 
     return [*GCC_compiler.compile_args(), *_openmp_flags(), "-O3", "-ffp-contract=off", "-fno-fast-math"]
 
@@ -235,7 +235,7 @@ def _ops_load(cxx: str):
     from llvmlite import binding
     from numba import types
 
-    from alchemist.runtime.pytensor_internals import numba_external_function
+    from alchemist.pytensor_ext.pytensor_internals import numba_external_function
 
     library, prefix, key = ops_library(cxx)
     binding.load_library_permanently(str(library))

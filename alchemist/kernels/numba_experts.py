@@ -114,7 +114,7 @@ def register_numba():
     if _registered:
         return
     from alchemist.kernels.op import QuantizedExpertMatmul
-    from alchemist.runtime.pytensor_internals import (
+    from alchemist.pytensor_ext.pytensor_internals import (
         numba_launch_threads,
         numba_njit,
         register_funcify_default_op_cache_key,

@@ -572,7 +572,7 @@ def register_numba():
         return
     from alchemist.kernels.native import matmul_kernel
     from alchemist.kernels.op import QuantizedEmbedding, QuantizedMatmul
-    from alchemist.runtime.pytensor_internals import (
+    from alchemist.pytensor_ext.pytensor_internals import (
         numba_launch_threads,
         numba_njit,
         register_funcify_default_op_cache_key,

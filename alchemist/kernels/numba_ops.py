@@ -42,7 +42,7 @@ def register_numba() -> None:
     from alchemist.kernels.gelu import GeluTable
     from alchemist.kernels.rope import RopeCacheGgml, RopeGgml
     from alchemist.kernels.silu import SiluGgml
-    from alchemist.runtime.pytensor_internals import numba_njit, register_funcify_default_op_cache_key
+    from alchemist.pytensor_ext.pytensor_internals import numba_njit, register_funcify_default_op_cache_key
 
     @register_funcify_default_op_cache_key(RopeCacheGgml)
     def numba_funcify_RopeCacheGgml(op, node=None, **kwargs):

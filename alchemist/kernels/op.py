@@ -32,7 +32,7 @@ _C_API_VERSION = 2  # bump when the c_code glue changes (its source is hashed to
 def _openmp_flags() -> tuple[str, ...]:
     """-fopenmp when the C++ compiler accepts it (PyTensor's own probe), else nothing (single thread)."""
     try:
-        from alchemist.runtime import pytensor_internals
+        from alchemist.pytensor_ext import pytensor_internals
 
         if pytensor_internals.GCC_compiler.try_flags(["-fopenmp"]):
             return ("-fopenmp",)
@@ -50,7 +50,7 @@ def _have_blas() -> bool:
 def _blas_flags(**which) -> list[str]:
     if not _have_blas():
         return []
-    from alchemist.runtime.pytensor_internals import blas_ldflags
+    from alchemist.pytensor_ext.pytensor_internals import blas_ldflags
 
     if which:
         return blas_ldflags(libs=False, **which)
@@ -62,7 +62,7 @@ def _blas_flags(**which) -> list[str]:
 def kernel_source() -> str:
     if not _have_blas():
         return C_SOURCE
-    from alchemist.runtime.pytensor_internals import blas_header_text
+    from alchemist.pytensor_ext.pytensor_internals import blas_header_text
 
     return blas_header_text() + "\n#define ALCHEMIST_HAVE_BLAS 1\n" + C_SOURCE
 
@@ -512,7 +512,7 @@ def _c_version() -> tuple[int, ...]:
         glue = ""
     blas = ""
     if _have_blas():
-        from alchemist.runtime.pytensor_internals import blas_header_version
+        from alchemist.pytensor_ext.pytensor_internals import blas_header_version
 
         blas = f"blas{blas_header_version()}"
     digest = hashlib.sha256((C_SOURCE + glue + blas).encode()).hexdigest()

@@ -160,7 +160,7 @@ def register_numba() -> None:
     """Numba runs the loops of `_rms_rows` (called from kernels.register_numba; idempotent)."""
     if _numba_registered:
         return
-    from alchemist.runtime.pytensor_internals import numba_njit, register_funcify_default_op_cache_key
+    from alchemist.pytensor_ext.pytensor_internals import numba_njit, register_funcify_default_op_cache_key
 
     # The wrappers are compiled without fastmath too: PyTensor's default (arcp, afn, ...) would let LLVM inline the
     # loops into a function where 1.0f / sqrtf(...) may become a reciprocal-square-root estimate (it does for

@@ -221,7 +221,7 @@ def load_llm(
     engine = Engine(with_numerics(module, numerics), tensors, backend, capacity)
     del tensors
     if progress:  # a bar while a step function compiles: rewriting, then C modules linked / total
-        from alchemist.runtime.compile_progress import TqdmProgress
+        from alchemist.pytensor_ext.compile_progress import TqdmProgress
 
         engine.compile_progress = TqdmProgress()
     tokenizer = _load_tokenizer(path, facts)

@@ -23,9 +23,10 @@ from alchemist.errors import AlchemistError
 import pytensor
 import pytensor.tensor as pt
 
-from alchemist.runtime import compile_progress, graph_cache, parallel_build, pytensor_internals
+from alchemist.runtime import graph_cache
+from alchemist.pytensor_ext import compile_progress, parallel_build, pytensor_internals
 from alchemist.runtime.backends import get_mode, static_shapes
-from alchemist.runtime.host import activated, one_blas_thread
+from alchemist.pytensor_ext.host import activated, one_blas_thread
 
 PREFILL_BUCKETS = (8, 32, 128, 512)
 SHORT_PROMPT = 8  # up to this many tokens, a prompt may go through the decode function (Engine._decode_is_quicker)
@@ -98,7 +99,7 @@ class StepStats:
 def rewrite_step(inputs, outputs, updates, mode):
     """What pytensor.function(inputs, outputs, updates=...) does before linking: the FunctionMaker holding the
     rewritten graph (its create() links it). On the C backend the graph's missing C modules start building with
-    g++ in the background right away (alchemist.runtime.parallel_build), so another step can be rewritten
+    g++ in the background right away (alchemist.pytensor_ext.parallel_build), so another step can be rewritten
     meanwhile."""
     ins, outs = pytensor_internals.construct_function_ins_and_outs(inputs, outputs, updates=updates)
     maker = mode.function_maker(ins, outs, mode, accept_inplace=True, on_unused_input="ignore")
@@ -134,7 +135,7 @@ def cached_or_compiled(cache_key: str | None, shared: dict, mode, build):
 def load_or_compile(stats, t0: float, cache_key: str | None, shared: dict, mode, build, label="", progress=None):
     """A step function linked from the rewritten-graph cache, or compiled from build() -> (inputs, outputs,
     updates) and saved there; counted in stats (time since t0, one compile). `progress` receives
-    alchemist.runtime.compile_progress.CompileEvent's about `label` while it compiles."""
+    alchemist.pytensor_ext.compile_progress.CompileEvent's about `label` while it compiles."""
     with activated(), compile_progress.tracking(label, progress):
         fn, cached = cached_or_compiled(cache_key, shared, mode, build)
     stats.graph_cache_hits += cached

@@ -8,7 +8,7 @@ MB). Loading it builds the FunctionMaker the way `Function.copy` does (`no_fgrap
 the DeepCopy ops are already in the graph) and points each input at this process's shared container.
 
 Beside each entry, `<key>.modules.json` records which compiled module (a file in PyTensor's compiledir, with
-its size and mtime) linked each node; `alchemist.runtime.fast_link` imports those files directly, so a new
+its size and mtime) linked each node; `alchemist.pytensor_ext.fast_link` imports those files directly, so a new
 process never opens PyTensor's compiledir index. The record is only a hint: a row whose file changed is
 looked up the usual way and the record rewritten.
 
@@ -33,7 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from alchemist.paths import cache_subdir, remember
-from alchemist.runtime import fast_link
+from alchemist.pytensor_ext import fast_link
 
 FORMAT_VERSION = 2
 # A rewritten graph is a few MB; a file much larger than this would mean data leaked into it (a weight
@@ -266,7 +266,7 @@ def load(key: str, shared: dict, mode):
     """
     from pytensor.graph.fg import FunctionGraph
 
-    from alchemist.runtime.pytensor_internals import FunctionMaker
+    from alchemist.pytensor_ext.pytensor_internals import FunctionMaker
 
     try:
         path = _path(key)

@@ -28,7 +28,7 @@ import numpy as np
 
 from alchemist.errors import AlchemistError
 from alchemist.runtime import graph_cache
-from alchemist.runtime.host import activated
+from alchemist.pytensor_ext.host import activated
 from alchemist.runtime.engine import _SOURCE_SHA256, Engine, is_as_imported, layer_caches, load_or_compile, regroup
 
 import pytensor  # noqa: E402  (configured by alchemist.runtime.engine)

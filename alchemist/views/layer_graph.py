@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from alchemist.errors import AlchemistError
-from alchemist.runtime.host import activating
+from alchemist.pytensor_ext.host import activating
 
 FORMATS = ("text", "dot", "png", "svg")
 SUFFIX_FORMAT = {".txt": "text", ".dot": "dot", ".gv": "dot", ".png": "png", ".svg": "svg"}
@@ -141,7 +141,7 @@ def rewrite(g: LayerGraph):
     from pytensor.compile.io import In, Out
 
     from alchemist.runtime.backends import get_mode
-    from alchemist.runtime.pytensor_internals import FunctionMaker
+    from alchemist.pytensor_ext.pytensor_internals import FunctionMaker
 
     mode = get_mode(g.backend)
     # the caches are mutable: in the Engine they are shared variables updated in place by the step

@@ -9,7 +9,7 @@ own graph building and compiling run inside `activated()`, which, in this fixed 
    for alchemist);
 2. gives PyTensor's compiler its remembered `-march` flags (restore_gcc_march_flags: 0.3 s of g++ per
    process otherwise);
-3. installs the compile speed-ups over PyTensor's internals (alchemist.runtime.pytensor_internals lists every
+3. installs the compile speed-ups over PyTensor's internals (alchemist.pytensor_ext.pytensor_internals lists every
    private symbol; each is tested against the pinned PyTensor series), in the order they wrap one another:
    fast_link (CLinker.cthunk_factory, COp.make_c_thunk), parallel_build (CLinker.compile_cmodule),
    compile_progress (FunctionMaker.prepare_fgraph / create, around the two before), fast_supervisor
@@ -29,7 +29,7 @@ import threading
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from alchemist.runtime import pytensor_internals
+from alchemist.pytensor_ext import pytensor_internals
 
 _OPENBLAS_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
@@ -41,7 +41,7 @@ _patched: dict[tuple[type, str], tuple[object, object]] = {}
 
 
 def _patch_points() -> list[tuple[type, str]]:
-    from alchemist.runtime.pytensor_internals import CLinker, COp, FunctionMaker, Supervisor
+    from alchemist.pytensor_ext.pytensor_internals import CLinker, COp, FunctionMaker, Supervisor
 
     return [
         (CLinker, "cthunk_factory"),
@@ -55,7 +55,7 @@ def _patch_points() -> list[tuple[type, str]]:
 
 def _install_once() -> None:
     """Run each speed-up's installer once (in order), remembering PyTensor's attributes before and after."""
-    from alchemist.runtime import compile_progress, fast_link, fast_supervisor, parallel_build
+    from alchemist.pytensor_ext import compile_progress, fast_link, fast_supervisor, parallel_build
 
     if _patched or not pytensor_internals.tested():
         return
@@ -145,7 +145,7 @@ def one_blas_thread() -> None:
 
 def configure_pytensor() -> None:
     """For a process that wants alchemist's settings everywhere (the test suite, benchmarks), not called by
-    alchemist itself (alchemist.runtime.host sets them around its own compiles): set PyTensor's flags before
+    alchemist itself (alchemist.pytensor_ext.host sets them around its own compiles): set PyTensor's flags before
     pytensor is first imported (BLAS for the C backend, float32 default) and the system OpenBLAS to one thread."""
     one_blas_thread()  # also when blas__ldflags came in PYTENSOR_FLAGS (a child of a process that set it)
     flags = os.environ.get("PYTENSOR_FLAGS", "")
@@ -174,7 +174,7 @@ def restore_gcc_march_flags() -> None:
     import pytensor
 
     from alchemist.paths import cache_subdir, remember
-    from alchemist.runtime.pytensor_internals import GCC_compiler
+    from alchemist.pytensor_ext.pytensor_internals import GCC_compiler
 
     if GCC_compiler.march_flags is not None or not pytensor.config.cxx:
         return

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from alchemist.runtime import pytensor_internals
+from alchemist.pytensor_ext import pytensor_internals
 
 
 @dataclass
@@ -84,11 +84,11 @@ def _signature(node):
 
 
 def install() -> None:
-    """Wrap the four PyTensor entry points once per process (after alchemist.runtime.fast_link.enable())."""
+    """Wrap the four PyTensor entry points once per process (after alchemist.pytensor_ext.fast_link.enable())."""
     global _installed
     if _installed or not pytensor_internals.tested():  # another PyTensor: no progress bar, its own paths
         return
-    from alchemist.runtime.pytensor_internals import CLinker, COp, FunctionMaker
+    from alchemist.pytensor_ext.pytensor_internals import CLinker, COp, FunctionMaker
 
     prepare_fgraph = FunctionMaker.prepare_fgraph
 

@@ -34,7 +34,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 
-from alchemist.runtime import pytensor_internals
+from alchemist.pytensor_ext import pytensor_internals
 
 _enabled = False
 _modules: dict = {}
@@ -139,7 +139,7 @@ def _signature(linker):
 
 def enable() -> None:
     """Install the wrapper once per process (a no-op when ALCHEMIST_FAST_LINK=0, or under a PyTensor other than
-    the one its internals were tested with: alchemist.runtime.pytensor_internals)."""
+    the one its internals were tested with: alchemist.pytensor_ext.pytensor_internals)."""
     global _enabled
     if _enabled or os.environ.get("ALCHEMIST_FAST_LINK", "1") in ("0", "false", "no", "off"):
         return
@@ -147,7 +147,7 @@ def enable() -> None:
         return
     from pytensor.graph.basic import Constant
 
-    from alchemist.runtime.pytensor_internals import CLinker
+    from alchemist.pytensor_ext.pytensor_internals import CLinker
 
     original = CLinker.cthunk_factory
 
@@ -188,7 +188,7 @@ def enable() -> None:
 
 
 def _wrap_make_c_thunk() -> None:
-    from alchemist.runtime.pytensor_internals import COp, CThunk
+    from alchemist.pytensor_ext.pytensor_internals import COp, CThunk
 
     class _NodeThunk(CThunk):
         """A one-node C thunk: whatever part of the struct fails (extracting an input, the op's code), the

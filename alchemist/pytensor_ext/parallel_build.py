@@ -26,7 +26,7 @@ import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from alchemist.runtime import pytensor_internals
+from alchemist.pytensor_ext import pytensor_internals
 
 _prebuilt: dict[str, Future] = {}  # sha256 of a module's source -> future of (directory, .so file name)
 _prebuilt_lock = threading.Lock()
@@ -67,12 +67,12 @@ def prebuild(fgraph, jobs: int | None = None) -> list[str]:
     """Start g++ in the background for every distinct C node of the rewritten `fgraph` whose module the compiledir
     lacks, in toposort order (the order linking needs them); returns their digests (for discard_unused)."""
     jobs = default_jobs() if jobs is None else int(jobs)
-    if jobs <= 1 or not _installed:  # installed by alchemist.runtime.host.activated() (not under another PyTensor)
+    if jobs <= 1 or not _installed:  # installed by alchemist.pytensor_ext.host.activated() (not under another PyTensor)
         return []
     from pytensor import config
     from pytensor.graph.fg import FunctionGraph
 
-    from alchemist.runtime.pytensor_internals import CLinker, COp, get_module_cache, get_module_hash
+    from alchemist.pytensor_ext.pytensor_internals import CLinker, COp, get_module_cache, get_module_hash
 
     if not config.cxx:
         return []
@@ -126,7 +126,7 @@ def prebuild(fgraph, jobs: int | None = None) -> list[str]:
 
 
 def _build(root: str, compiler, args: dict) -> tuple[str, str]:
-    from alchemist.runtime.pytensor_internals import get_lib_extension
+    from alchemist.pytensor_ext.pytensor_internals import get_lib_extension
 
     location = tempfile.mkdtemp(dir=root)
     try:
@@ -139,7 +139,7 @@ def _build(root: str, compiler, args: dict) -> tuple[str, str]:
 
 def _take_prebuilt(linker, location: str):
     """The module PyTensor is about to compile, moved in from its finished prebuild, else None."""
-    from alchemist.runtime.pytensor_internals import dlimport
+    from alchemist.pytensor_ext.pytensor_internals import dlimport
 
     if not _prebuilt:
         return None
@@ -171,7 +171,7 @@ def install() -> bool:
         return True
     if not pytensor_internals.tested():
         return False
-    from alchemist.runtime.pytensor_internals import CLinker
+    from alchemist.pytensor_ext.pytensor_internals import CLinker
 
     compile_cmodule = CLinker.compile_cmodule
 

@@ -11,7 +11,7 @@ each protected variable up in them (nothing to do while nothing is destroyed): t
 for the same reason, so the rewritten graph is the same (tests/test_pytensor_internals.py compares both on a
 graph where the check refuses). Any other case (PyTensor's "fast" cycle detection, a destroyers feature that
 is not a DestroyHandler) goes to PyTensor's own method. Only under the PyTensor series the internals were
-tested with (alchemist.runtime.pytensor_internals).
+tested with (alchemist.pytensor_ext.pytensor_internals).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 
-from alchemist.runtime import pytensor_internals
+from alchemist.pytensor_ext import pytensor_internals
 
 _installed = False
 

@@ -1,7 +1,7 @@
 """Every PyTensor and Numba internal that alchemist reaches into: imported here, and nowhere else.
 
 Everywhere else alchemist keeps to PyTensor's public API: graphs, Ops with their C and Numba implementations,
-rewrites, modes, `pytensor.function`. Linking and compiling faster (alchemist.runtime.fast_link and
+rewrites, modes, `pytensor.function`. Linking and compiling faster (alchemist.pytensor_ext.fast_link and
 parallel_build), the compile progress bar (compile_progress), the graph cache, the layer views and the kernels'
 build settings need more: the symbols in SYMBOLS, which PyTensor does not document and may change in any
 release. pyproject pins the PyTensor series they were tested with (TESTED_PYTENSOR), and
@@ -121,7 +121,7 @@ def tested() -> bool:
         return True
     warnings.warn(
         f"alchemist was tested with PyTensor {TESTED_PYTENSOR}.x, this is {pytensor.__version__}: its faster "
-        "linking, parallel compiling and compile progress stay off (alchemist/runtime/pytensor_internals.py)",
+        "linking, parallel compiling and compile progress stay off (alchemist/pytensor_ext/pytensor_internals.py)",
         stacklevel=2,
     )
     return False
