@@ -29,3 +29,23 @@ def test_every_source_file_is_used():
             used.add(path.name)
     assert {p.name for p in sources.CSRC.iterdir()} == used
     assert native._ops_source().count(sources.source("v_expf.h")) == 2  # attention's and SiLU's
+
+
+def test_entry_points_are_declared_once():
+    """The kernel libraries' C entry points come from one table: the exported wrappers' C declarations, the JAX
+    handlers' extern declarations (the handlers' source declares none itself), MLX's ctypes and Numba's types."""
+    import pytensor
+
+    from alchemist.kernels import native, signatures
+
+    assert not re.search(r"^extern \"C\"", sources.source("jax_ffi_handlers.cpp"), re.M)
+    entries = native.entry_points(pytensor.config.cxx)
+    assert set(entries) == set(signatures.ENTRY_POINTS)
+    for name, (ret, args) in signatures.ENTRY_POINTS.items():
+        restype, argtypes = signatures.ctypes_signature(name)
+        assert len(argtypes) == len(args) == len(signatures.numba_signature(name).args)
+        assert (restype is None) == (ret == "void")
+        declaration = signatures.c_declaration(name, "f")
+        assert declaration.count(",") == len(args) - 1 and declaration.startswith(("int f(", "void f("))
+    assert signatures.c_declaration("matmul", "f") in native._source("f")
+    assert all(signatures.c_declaration(n, f"p_{n}") in native._ops_entries("p") for n in ("rope", "attention"))

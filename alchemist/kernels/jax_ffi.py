@@ -26,13 +26,14 @@ from functools import lru_cache
 import numpy as np
 
 from alchemist.kernels import expansion, sources
+from alchemist.kernels.signatures import c_declaration
 from alchemist.pytensor_ext.host import activating
 
 # one XLA FFI target per kernel; the prefix keeps them apart from any other library's
 _PREFIX = "alchemist_ggml_"
 _TARGETS = ("matmul", "rms_norm", "rope_cache", "rope", "attention", "silu", "gelu")
 
-_HANDLERS = "jax_ffi_handlers.cpp"  # csrc/: the handlers, calling the kernel libraries by the names defined below
+_HANDLERS = "jax_ffi_handlers.cpp"  # csrc/: the handlers; _build defines and declares the entry points they call
 
 
 def _wanted() -> bool:
@@ -74,12 +75,11 @@ def _build(cxx: str) -> ctypes.CDLL:
     from alchemist.kernels import native
     from alchemist.kernels.op import _openmp_flags
 
-    matmul_path, matmul_name, _ = native.matmul_library(cxx)
-    ops_path, ops_prefix, _ = native.ops_library(cxx)
-    rms_path, rms_name, _ = native.rms_norm_library(cxx)
-    names = f"#define ALCHEMIST_MATMUL {matmul_name}\n#define ALCHEMIST_OPS(f) {ops_prefix}_##f\n"
-    source = names + f"#define ALCHEMIST_RMS_NORM {rms_name}\n" + sources.source(_HANDLERS)
-    dependencies = (matmul_path, ops_path, rms_path)
+    entries = native.entry_points(cxx)
+    declarations = [f"#define ALCHEMIST_{name.upper()} {symbol}" for name, (_, symbol) in entries.items()]
+    declarations += [f'extern "C" {c_declaration(name, symbol)};' for name, (_, symbol) in entries.items()]
+    source = "#include <stdint.h>\n" + "\n".join(declarations) + "\n" + sources.source(_HANDLERS)
+    dependencies = tuple(dict.fromkeys(path for path, _ in entries.values()))
     command = [
         cxx, "-shared", *native.ops_flags(), "-std=c++17", f"-I{jax.ffi.include_dir()}", "-o", "k.so", "k.cpp",
         *map(str, dependencies), *(["-lgomp"] if _openmp_flags() else []),

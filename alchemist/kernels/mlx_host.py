@@ -27,18 +27,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from alchemist.kernels import expansion
+from alchemist.kernels.signatures import ctypes_signature
 from alchemist.pytensor_ext.host import activating
-
-_c_int, _c_ll, _c_float, _c_ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = {  # entry point -> (restype, argtypes), as alchemist.kernels.native exports them
-    "matmul": (_c_int, [_c_int, _c_int, _c_ptr, _c_ll, _c_ll, _c_ptr, _c_ll, _c_ptr]),
-    "rms_norm": (None, [_c_ptr, _c_ptr, _c_ptr, _c_ll, _c_ll, _c_float]),
-    "rope_cache": (None, [_c_ptr, _c_ll, _c_ptr, _c_ll, _c_int, *[_c_float] * 6, _c_int, _c_ptr]),
-    "rope": (None, [_c_ptr, _c_ptr, _c_ptr, _c_ll, _c_ll, _c_ll, _c_int, _c_int]),
-    "attention": (_c_int, [*[_c_ptr] * 7, *[_c_ll] * 7, _c_float, _c_float]),
-    "silu": (None, [_c_ptr, _c_ptr, _c_ll, _c_ll]),
-    "gelu": (None, [_c_ptr, _c_ptr, _c_ll]),
-}
 
 
 def _wanted() -> bool:
@@ -65,22 +55,17 @@ def _kernels():
     if not cxx:
         return None
     try:
-        matmul_path, matmul_name, _ = native.matmul_library(cxx)
-        ops_path, ops_prefix, _ = native.ops_library(cxx)
-        rms_path, rms_name, _ = native.rms_norm_library(cxx)
-        libraries = {path: ctypes.CDLL(str(path)) for path in (matmul_path, ops_path, rms_path)}
-        symbols = {"matmul": (matmul_path, matmul_name), "rms_norm": (rms_path, rms_name)}
-        for name in ("rope_cache", "rope", "attention", "silu", "gelu"):
-            symbols[name] = (ops_path, f"{ops_prefix}_{name}")
-        entries = {}
-        for name, (path, symbol) in symbols.items():
+        entries = native.entry_points(cxx)
+        libraries = {path: ctypes.CDLL(str(path)) for path, _ in entries.values()}
+        functions = {}
+        for name, (path, symbol) in entries.items():
             fn = getattr(libraries[path], symbol)
-            fn.restype, fn.argtypes = _SIGNATURES[name]
-            entries[name] = fn
+            fn.restype, fn.argtypes = ctypes_signature(name)
+            functions[name] = fn
     except Exception as exc:  # noqa: BLE001 - any failure to build or load: MLX has the formulas
         warnings.warn(f"MLX computes numerics='ggml' as float32 formulas: the C kernel libraries did not load ({exc})")
         return None
-    return SimpleNamespace(**entries)
+    return SimpleNamespace(**functions)
 
 
 def _host(a, dtype) -> np.ndarray:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from alchemist.kernels import formats
 from alchemist.kernels.c_kernels import C_SOURCE
+from alchemist.kernels.signatures import c_declaration, numba_signature
 from alchemist.kernels.sources import source
 from alchemist.pytensor_ext.host import activating
 
@@ -37,8 +38,7 @@ from alchemist.pytensor_ext.host import activating
 TYPE_INDEX = {name: i for i, name in enumerate(formats.SUPPORTED_TYPES)}
 
 _ENTRY = """
-extern "C" __attribute__((visibility("default"))) int {name}(int type_index, int ggml, uintptr_t W, long long n_out,
-                                                          long long n_in, uintptr_t X, long long T, uintptr_t Y) {{
+extern "C" __attribute__((visibility("default"))) {declaration} {{
     using namespace alchemist_q;
     const uint8_t *w = (const uint8_t *)W;
     const float *x = (const float *)X;
@@ -58,7 +58,7 @@ def _source(name: str) -> str:
         f"    case {i}: return ggml ? run_ggml<{t}>(w, n_out, n_in, x, T, y) : run<{t}>(w, n_out, n_in, x, T, y);"
         for t, i in TYPE_INDEX.items()
     )
-    return kernel_source() + _ENTRY.format(name=name, cases=cases)
+    return kernel_source() + _ENTRY.format(declaration=c_declaration("matmul", name), cases=cases)
 
 
 def _command(cxx: str) -> list[str]:
@@ -146,47 +146,35 @@ def matmul_library(cxx: str) -> tuple[Path, str, str]:
 @activating
 def _load(cxx: str):
     from llvmlite import binding
-    from numba import types
 
     from alchemist.pytensor_ext.pytensor_internals import numba_external_function
 
     library, name, key = matmul_library(cxx)
     binding.load_library_permanently(str(library))
-    sig = types.int32(
-        types.int32, types.int32, types.uintp, types.int64, types.int64, types.uintp, types.int64, types.uintp
-    )
-    return numba_external_function(name, sig), int(key[:12], 16)
+    return numba_external_function(name, numba_signature("matmul")), int(key[:12], 16)
 
 
 # -- RoPE, attention, SiLU and GELU as ggml computes them (the C backend's Ops' own C code) ---------------------
-_OPS_ENTRIES = """
-#define ALCHEMIST_EXPORT extern "C" __attribute__((visibility("default")))
-ALCHEMIST_EXPORT void {p}_rope_cache(uintptr_t pos, long long n_pos, uintptr_t ff, long long ff_stride, int n_dims,
-                                      float freq_base, float freq_scale, float ext_factor, float attn_factor,
-                                      float beta_fast, float beta_slow, int n_ctx_orig, uintptr_t out) {{
-    alchemist_rope::cache((const int64_t *)pos, n_pos, (const float *)ff, ff_stride, n_dims, freq_base, freq_scale,
-                          ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig, (float *)out);
-}}
-ALCHEMIST_EXPORT void {p}_rope(uintptr_t x, uintptr_t cache, uintptr_t y, long long n_pos, long long n_head,
-                                long long head_dim, int n_dims, int neox) {{
-    alchemist_rope::rotate((const float *)x, (const float *)cache, (float *)y, n_pos, n_head, head_dim, n_dims, neox);
-}}
-ALCHEMIST_EXPORT int {p}_attention(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t qpos, uintptr_t kpos,
-                                    uintptr_t sinks, uintptr_t out, long long B, long long T, long long S,
-                                    long long H, long long KVH, long long D, long long window, float scale,
-                                    float softcap) {{
-    return alchemist_attn::attend((const float *)q, (const float *)k, (const float *)v, (const int64_t *)qpos,
-                                  (const int64_t *)kpos, (const float *)sinks, (float *)out, B, T, S, H, KVH, D,
-                                  window, scale, softcap);
-}}
-ALCHEMIST_EXPORT void {p}_silu(uintptr_t x, uintptr_t y, long long rows, long long n) {{
-    alchemist_silu::apply((const float *)x, (float *)y, rows, n);
-}}
-ALCHEMIST_EXPORT void {p}_gelu(uintptr_t x, uintptr_t y, long long n) {{
-    alchemist_gelu::build();  /* the table, once per process (the C Op builds it in its module's init) */
-    alchemist_gelu::apply((const float *)x, (float *)y, n);
-}}
-"""
+_OPS_BODIES = {  # entry point -> the call it makes (its arguments: kernels.signatures.ENTRY_POINTS)
+    "rope_cache": "alchemist_rope::cache((const int64_t *)pos, n_pos, (const float *)ff, ff_stride, n_dims, freq_base, "
+    "freq_scale, ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig, (float *)out);",
+    "rope": "alchemist_rope::rotate((const float *)x, (const float *)cache, (float *)y, n_pos, n_head, head_dim, n_dims, "
+    "neox);",
+    "attention": "return alchemist_attn::attend((const float *)q, (const float *)k, (const float *)v, "
+    "(const int64_t *)qpos, (const int64_t *)kpos, (const float *)sinks, (float *)out, B, T, S, H, KVH, D, window, "
+    "scale, softcap);",
+    "silu": "alchemist_silu::apply((const float *)x, (float *)y, rows, n);",
+    # the table, once per process (the C Op builds it in its module's init)
+    "gelu": "alchemist_gelu::build();\n    alchemist_gelu::apply((const float *)x, (float *)y, n);",
+}
+
+
+def _ops_entries(prefix: str) -> str:
+    """The exported wrappers `<prefix>_<entry point>` of the ops library."""
+    export = 'extern "C" __attribute__((visibility("default")))'
+    return "".join(
+        f"{export} {c_declaration(name, f'{prefix}_{name}')} {{\n    {body}\n}}\n" for name, body in _OPS_BODIES.items()
+    )
 
 
 def _ops_source() -> str:
@@ -222,8 +210,8 @@ def ops_library(cxx: str) -> tuple[Path, str, str]:
     from alchemist.kernels.op import _openmp_flags
 
     body = _ops_source()
-    prefix = f"alchemist_ops_{hashlib.sha256((body + _OPS_ENTRIES).encode()).hexdigest()[:16]}"
-    source = body + _OPS_ENTRIES.format(p=prefix)
+    prefix = f"alchemist_ops_{hashlib.sha256((body + _ops_entries('')).encode()).hexdigest()[:16]}"
+    source = body + "\n" + _ops_entries(prefix)
     libs = ["-lgomp"] if _openmp_flags() else []
     command = [cxx, "-shared", *ops_flags(), "-o", "k.so", "k.cpp", *libs]
     library, key = _library(source, command, _compiler_version(cxx))
@@ -233,26 +221,17 @@ def ops_library(cxx: str) -> tuple[Path, str, str]:
 @activating
 def _ops_load(cxx: str):
     from llvmlite import binding
-    from numba import types
 
     from alchemist.pytensor_ext.pytensor_internals import numba_external_function
 
     library, prefix, key = ops_library(cxx)
     binding.load_library_permanently(str(library))
-    i64, f32, ptr = types.int64, types.float32, types.uintp
-    sigs = {
-        "rope_cache": types.void(ptr, i64, ptr, i64, types.int32, f32, f32, f32, f32, f32, f32, types.int32, ptr),
-        "rope": types.void(ptr, ptr, ptr, i64, i64, i64, types.int32, types.int32),
-        "attention": types.int32(ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32),
-        "silu": types.void(ptr, ptr, i64, i64),
-        "gelu": types.void(ptr, ptr, i64),
-    }
-    return {name: numba_external_function(f"{prefix}_{name}", sig) for name, sig in sigs.items()}, int(key[:12], 16)
+    functions = {name: numba_external_function(f"{prefix}_{name}", numba_signature(name)) for name in _OPS_BODIES}
+    return functions, int(key[:12], 16)
 
 
 _RMS_NORM_ENTRY = """
-extern "C" __attribute__((visibility("default"))) void {p}(uintptr_t x, uintptr_t w, uintptr_t y, long long rows,
-                                                          long long n, float eps) {{
+extern "C" __attribute__((visibility("default"))) {declaration} {{
     alchemist_rms_norm::apply((const float *)x, (const float *)w, (float *)y, rows, n, eps);
 }}
 """
@@ -264,10 +243,20 @@ def rms_norm_library(cxx: str) -> tuple[Path, str, str]:
     library of their own, with the ops' flags, for a backend calling C from Python (MLX)."""
     rms_norm = source("rms_norm.cpp")
     name = f"alchemist_rms_norm_{hashlib.sha256((rms_norm + _RMS_NORM_ENTRY).encode()).hexdigest()[:16]}"
-    text = "#include <stdint.h>\n" + rms_norm + _RMS_NORM_ENTRY.format(p=name)
+    text = "#include <stdint.h>\n" + rms_norm + _RMS_NORM_ENTRY.format(declaration=c_declaration("rms_norm", name))
     command = [cxx, "-shared", *ops_flags(), "-o", "k.so", "k.cpp"]
     library, key = _library(text, command, _compiler_version(cxx))
     return library, name, key
+
+
+def entry_points(cxx: str) -> dict[str, tuple[Path, str]]:
+    """Each kernel entry point (kernels.signatures.ENTRY_POINTS) -> (the library exporting it, its symbol), the three
+    libraries built with `cxx` unless cached: what a backend calling C from outside Numba (JAX, MLX) links."""
+    matmul_path, matmul_name, _ = matmul_library(cxx)
+    ops_path, ops_prefix, _ = ops_library(cxx)
+    rms_path, rms_name, _ = rms_norm_library(cxx)
+    ops = {name: (ops_path, f"{ops_prefix}_{name}") for name in _OPS_BODIES}
+    return {"matmul": (matmul_path, matmul_name), "rms_norm": (rms_path, rms_name), **ops}
 
 
 def register_numba_expansion(name: str, rewriter) -> None:

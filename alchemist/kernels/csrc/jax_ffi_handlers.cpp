@@ -1,6 +1,6 @@
-// The XLA FFI handlers JAX calls (alchemist.kernels.jax_ffi): each reads XLA's buffers in place and calls the
-// kernel libraries' entry points, whose names the build defines: ALCHEMIST_MATMUL, ALCHEMIST_OPS(name),
-// ALCHEMIST_RMS_NORM.
+// The XLA FFI handlers JAX calls (alchemist.kernels.jax_ffi): each reads XLA's buffers in place and calls one of the
+// kernel libraries' entry points, ALCHEMIST_<ENTRY POINT>, which the build defines and declares (extern "C") from
+// alchemist.kernels.signatures.
 #include <stdint.h>
 #include <string>
 #include <vector>
@@ -8,19 +8,6 @@
 
 namespace ffi = xla::ffi;
 
-extern "C" int ALCHEMIST_MATMUL(int type_index, int ggml, uintptr_t W, long long n_out, long long n_in, uintptr_t X,
-                        long long T, uintptr_t Y);
-extern "C" void ALCHEMIST_OPS(rope_cache)(uintptr_t pos, long long n_pos, uintptr_t ff, long long ff_stride, int n_dims,
-                                 float freq_base, float freq_scale, float ext_factor, float attn_factor,
-                                 float beta_fast, float beta_slow, int n_ctx_orig, uintptr_t out);
-extern "C" void ALCHEMIST_OPS(rope)(uintptr_t x, uintptr_t cache, uintptr_t y, long long n_pos, long long n_head,
-                           long long head_dim, int n_dims, int neox);
-extern "C" int ALCHEMIST_OPS(attention)(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t qpos, uintptr_t kpos,
-                               uintptr_t sinks, uintptr_t out, long long B, long long T, long long S, long long H,
-                               long long KVH, long long D, long long window, float scale, float softcap);
-extern "C" void ALCHEMIST_OPS(silu)(uintptr_t x, uintptr_t y, long long rows, long long n);
-extern "C" void ALCHEMIST_OPS(gelu)(uintptr_t x, uintptr_t y, long long n);
-extern "C" void ALCHEMIST_RMS_NORM(uintptr_t x, uintptr_t w, uintptr_t y, long long rows, long long n, float eps);
 
 namespace {
 typedef ffi::Buffer<ffi::F32> F32;
@@ -68,7 +55,7 @@ ffi::Error RopeCache(ffi::AnyBuffer pos, F32 ff, F32Out out, int32_t n_dims, flo
         return bad("RopeCacheGgml: fewer frequency factors than rotated pairs");
     std::vector<int64_t> tmp;
     const int64_t *p = positions(pos, tmp);
-    ALCHEMIST_OPS(rope_cache)(addr(p), (long long)pos.element_count(), has_ff ? addr(ff.typed_data()) : 0, 1, n_dims,
+    ALCHEMIST_ROPE_CACHE(addr(p), (long long)pos.element_count(), has_ff ? addr(ff.typed_data()) : 0, 1, n_dims,
                      freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig,
                      addr(out->typed_data()));
     return ffi::Error::Success();
@@ -78,7 +65,7 @@ ffi::Error Rope(F32 x, F32 cache, F32Out y, int32_t n_dims, int32_t neox) {
     const auto xd = x.dimensions(), cd = cache.dimensions();
     if (xd.size() != 3 || cd.size() != 3 || cd[0] != xd[0] || cd[1] != n_dims / 2 || cd[2] != 2 || xd[2] < n_dims)
         return bad("RopeGgml: x and the cache do not match");
-    ALCHEMIST_OPS(rope)(addr(x.typed_data()), addr(cache.typed_data()), addr(y->typed_data()), xd[0], xd[1], xd[2], n_dims,
+    ALCHEMIST_ROPE(addr(x.typed_data()), addr(cache.typed_data()), addr(y->typed_data()), xd[0], xd[1], xd[2], n_dims,
                neox);
     return ffi::Error::Success();
 }
@@ -96,7 +83,7 @@ ffi::Error Attention(F32 q, F32 k, F32 v, ffi::AnyBuffer qpos, ffi::AnyBuffer kp
         return bad("CausalAttentionGgml: inconsistent shapes");
     std::vector<int64_t> qtmp, ktmp;
     const int64_t *qp = positions(qpos, qtmp), *kp = positions(kpos, ktmp);
-    const int rc = ALCHEMIST_OPS(attention)(addr(q.typed_data()), addr(k.typed_data()), addr(v.typed_data()), addr(qp),
+    const int rc = ALCHEMIST_ATTENTION(addr(q.typed_data()), addr(k.typed_data()), addr(v.typed_data()), addr(qp),
                                    addr(kp), has_sinks ? addr(sinks.typed_data()) : 0, addr(out->typed_data()), B, T,
                                    S, n_head, n_kv_head, head_dim, window, scale, softcap);
     return rc == 0 ? ffi::Error::Success() : ffi::Error::Internal("alchemist: CausalAttentionGgml out of memory");
@@ -105,12 +92,12 @@ ffi::Error Attention(F32 q, F32 k, F32 v, ffi::AnyBuffer qpos, ffi::AnyBuffer kp
 ffi::Error Silu(F32 x, F32Out y) {
     const auto d = x.dimensions();
     const long long n = d.size() ? d[d.size() - 1] : 1;
-    ALCHEMIST_OPS(silu)(addr(x.typed_data()), addr(y->typed_data()), n ? (long long)(x.element_count() / n) : 0, n);
+    ALCHEMIST_SILU(addr(x.typed_data()), addr(y->typed_data()), n ? (long long)(x.element_count() / n) : 0, n);
     return ffi::Error::Success();
 }
 
 ffi::Error Gelu(F32 x, F32Out y) {
-    ALCHEMIST_OPS(gelu)(addr(x.typed_data()), addr(y->typed_data()), (long long)x.element_count());
+    ALCHEMIST_GELU(addr(x.typed_data()), addr(y->typed_data()), (long long)x.element_count());
     return ffi::Error::Success();
 }
 }  // namespace
