@@ -17,48 +17,11 @@ from numba import prange
 
 from alchemist.kernels import activations
 from alchemist.kernels.numba_kernels import (
-    K_Q2_K,
-    K_Q3_K,
-    K_Q4_0,
-    K_Q4_1,
-    K_Q4_K,
-    K_Q5_0,
-    K_Q5_1,
-    K_Q5_K,
-    K_Q8_0,
-    K_MXFP4,
     KINDS,
+    dq_row,
     _chunks,
     _dot,
-    _dq_q2_k,
-    _dq_q3_k,
-    _dq_q4_0_q5_0,
-    _dq_q4_1_q5_1,
-    _dq_q4_k_q5_k,
-    _dq_q6_k,
-    _dq_q8_0,
-    _dq_mxfp4,
 )
-
-
-@numba.njit(cache=True, fastmath=False, inline="always")
-def _dq_row(kind, row, n_in, out, n16):
-    if kind == K_Q8_0:
-        _dq_q8_0(kind, row, n_in // 32, out, n16)
-    elif kind == K_Q4_0 or kind == K_Q5_0:
-        _dq_q4_0_q5_0(kind, row, n_in // 32, out, n16)
-    elif kind == K_Q4_1 or kind == K_Q5_1:
-        _dq_q4_1_q5_1(kind, row, n_in // 32, out, n16)
-    elif kind == K_Q2_K:
-        _dq_q2_k(kind, row, n_in // 256, out, n16)
-    elif kind == K_Q3_K:
-        _dq_q3_k(kind, row, n_in // 256, out, n16)
-    elif kind == K_Q4_K or kind == K_Q5_K:
-        _dq_q4_k_q5_k(kind, row, n_in // 256, out, n16)
-    elif kind == K_MXFP4:
-        _dq_mxfp4(kind, row, n_in // 32, out, n16)
-    else:
-        _dq_q6_k(kind, row, n_in // 256, out, n16)
 
 
 @numba.njit(cache=True, parallel=True, fastmath=False)
@@ -93,7 +56,7 @@ def expert_matmul(kind, x, w, ids, n_in):
         for ch in prange(n_chunks):
             row = np.empty(n_in, dtype=np.float32)
             for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
-                _dq_row(kind, w[e, o], n_in, row, n16)
+                dq_row(kind, w[e, o], n_in, row, n16)
                 for i in range(a, b):
                     t, j = order[i] // k, order[i] % k
                     y[t, j, o] = _dot(row, x[t, j if per_rank else 0])

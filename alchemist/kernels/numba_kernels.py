@@ -529,6 +529,27 @@ DRIVERS = {
 }
 
 
+@numba.njit(cache=True, fastmath=False, inline="always")
+def dq_row(kind, row, n_in, out, n16):
+    """Dequantize one row of n_in weights of type `kind` into out: the one dispatch of the embedding and the experts."""
+    if kind == K_Q8_0:
+        _dq_q8_0(kind, row, n_in // 32, out, n16)
+    elif kind == K_Q4_0 or kind == K_Q5_0:
+        _dq_q4_0_q5_0(kind, row, n_in // 32, out, n16)
+    elif kind == K_Q4_1 or kind == K_Q5_1:
+        _dq_q4_1_q5_1(kind, row, n_in // 32, out, n16)
+    elif kind == K_Q2_K:
+        _dq_q2_k(kind, row, n_in // 256, out, n16)
+    elif kind == K_Q3_K:
+        _dq_q3_k(kind, row, n_in // 256, out, n16)
+    elif kind == K_Q4_K or kind == K_Q5_K:
+        _dq_q4_k_q5_k(kind, row, n_in // 256, out, n16)
+    elif kind == K_MXFP4:
+        _dq_mxfp4(kind, row, n_in // 32, out, n16)
+    else:
+        _dq_q6_k(kind, row, n_in // 256, out, n16)
+
+
 @numba.njit(cache=True, fastmath=False)
 def embed(kind, w, idx, n_in):
     """Rows idx of w (uint8 GGUF rows) dequantized exactly: (len(idx), n_in) float32 (one driver, all types)."""
@@ -540,23 +561,7 @@ def embed(kind, w, idx, n_in):
         if r < -n_rows or r >= n_rows:
             raise IndexError("QuantizedEmbedding: index out of bounds")
         row = w[r if r >= 0 else r + n_rows]
-        out = y[t]
-        if kind == K_Q8_0:
-            _dq_q8_0(kind, row, n_in // 32, out, n16)
-        elif kind == K_Q4_0 or kind == K_Q5_0:
-            _dq_q4_0_q5_0(kind, row, n_in // 32, out, n16)
-        elif kind == K_Q4_1 or kind == K_Q5_1:
-            _dq_q4_1_q5_1(kind, row, n_in // 32, out, n16)
-        elif kind == K_Q2_K:
-            _dq_q2_k(kind, row, n_in // 256, out, n16)
-        elif kind == K_Q3_K:
-            _dq_q3_k(kind, row, n_in // 256, out, n16)
-        elif kind == K_Q4_K or kind == K_Q5_K:
-            _dq_q4_k_q5_k(kind, row, n_in // 256, out, n16)
-        elif kind == K_MXFP4:
-            _dq_mxfp4(kind, row, n_in // 32, out, n16)
-        else:
-            _dq_q6_k(kind, row, n_in // 256, out, n16)
+        dq_row(kind, row, n_in, y[t], n16)
     return y
 
 
