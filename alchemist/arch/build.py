@@ -294,31 +294,20 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         mlp_kind = MLPKind.FUSED_GATED
     else:
         mlp_kind = MLPKind.PLAIN
-    if router:
-        mlp = MLPSpec(
-            kind=mlp_kind,
-            activation=family.activation,
-            n_ff=dims.n_ff_exp,
-            up="ffn_up_exps.weight",
-            down="ffn_down_exps.weight",
-            gate=present("ffn_gate_exps.weight"),
-            up_bias=present("ffn_up_exps.bias"),
-            down_bias=present("ffn_down_exps.bias"),
-            gate_bias=present("ffn_gate_exps.bias"),
-            router=dataclasses.replace(router, bias=present("ffn_gate_inp.bias")),
-        )
-    else:
-        mlp = MLPSpec(
-            kind=mlp_kind,
-            activation=family.activation,
-            n_ff=dims.n_ff,
-            up="ffn_up.weight",
-            down="ffn_down.weight",
-            gate=present("ffn_gate.weight"),
-            up_bias=present("ffn_up.bias"),
-            down_bias=present("ffn_down.bias"),
-            gate_bias=present("ffn_gate.bias"),
-        )
+    # dense and expert MLPs bind the same tensors, the experts' with an _exps suffix and a router
+    exps = "_exps" if router else ""
+    mlp = MLPSpec(
+        kind=mlp_kind,
+        activation=family.activation,
+        n_ff=dims.n_ff_exp if router else dims.n_ff,
+        up=f"ffn_up{exps}.weight",
+        down=f"ffn_down{exps}.weight",
+        gate=present(f"ffn_gate{exps}.weight"),
+        up_bias=present(f"ffn_up{exps}.bias"),
+        down_bias=present(f"ffn_down{exps}.bias"),
+        gate_bias=present(f"ffn_gate{exps}.bias"),
+        router=dataclasses.replace(router, bias=present("ffn_gate_inp.bias")) if router else None,
+    )
     conv = None
     if mixers and "conv" in mixers:
         conv = ShortConvSpec(
