@@ -388,12 +388,19 @@ def create_app(
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
 
-    # ------------------------------------------------------------------ logprob shapes
-    class _CompletionLogprobs:
-        def __init__(self):
-            self.offset = 0
+    # ------------------------------------------------------------------ the two answers' shapes
+    class _CompletionShape:
+        """/v1/completions: text_completion objects; logprobs as tokens / token_logprobs / top_logprobs / offsets."""
 
-        def of(self, ev) -> dict | None:
+        def __init__(self, rid: str, created: int, logprobs: int | None):
+            self.rid, self.created, self.want_logprobs, self.offset = rid, created, logprobs is not None, 0
+
+        def _chunk(self, text, finish=None, logprobs=None) -> dict:
+            c = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
+            return {"id": self.rid, "object": "text_completion", "created": self.created, "model": model_id,
+                    "choices": [c]}  # fmt: skip
+
+        def logprob(self, ev) -> dict | None:
             if ev.logprob is None:
                 return None
             text, _ = _piece(ev.token_id)
@@ -403,15 +410,104 @@ def create_app(
             self.offset += len(text)
             return out
 
-    def _chat_logprob(ev) -> dict | None:
-        if ev.logprob is None:
-            return None
-        text, b = _piece(ev.token_id)
-        top = []
-        for t, lp in ev.top_logprobs or []:
-            tt, tb = _piece(t)
-            top.append({"token": tt, "logprob": float(lp), "bytes": tb})
-        return {"token": text, "logprob": float(ev.logprob), "bytes": b, "top_logprobs": top}
+        def first(self) -> list[dict]:
+            return []
+
+        def chunk(self, ev, logprob) -> dict | None:
+            return self._chunk(ev.text, logprobs=logprob) if ev.text or logprob is not None else None
+
+        def final(self, done) -> list[dict]:
+            return [self._chunk(done.text, done.finish_reason)]
+
+        def whole(self, done, text: str, logprobs: list) -> dict:
+            merged = None
+            if self.want_logprobs:
+                keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+                merged = {k: [x for d in logprobs for x in d[k]] for k in keys}
+            return {**self._chunk(text, done.finish_reason, merged), "usage": _usage(done)}
+
+    class _ChatShape:
+        """/v1/chat/completions: chat.completion(.chunk) objects; logprobs as content entries with their bytes."""
+
+        def __init__(self, rid: str, created: int, logprobs: int | None):
+            self.rid, self.created, self.want_logprobs = rid, created, logprobs is not None
+
+        def _chunk(self, delta: dict, finish=None, logprobs=None) -> dict:
+            c = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": model_id,
+                    "choices": [c]}  # fmt: skip
+
+        def logprob(self, ev) -> dict | None:
+            if ev.logprob is None:
+                return None
+            text, b = _piece(ev.token_id)
+            top = []
+            for t, lp in ev.top_logprobs or []:
+                tt, tb = _piece(t)
+                top.append({"token": tt, "logprob": float(lp), "bytes": tb})
+            return {"token": text, "logprob": float(ev.logprob), "bytes": b, "top_logprobs": top}
+
+        def first(self) -> list[dict]:
+            return [self._chunk({"role": "assistant", "content": ""})]
+
+        def chunk(self, ev, logprob) -> dict | None:
+            if not ev.text and logprob is None:
+                return None
+            return self._chunk({"content": ev.text}, logprobs=None if logprob is None else {"content": [logprob]})
+
+        def final(self, done) -> list[dict]:
+            return ([self._chunk({"content": done.text})] if done.text else []) + [self._chunk({}, done.finish_reason)]
+
+        def whole(self, done, text: str, logprobs: list) -> dict:
+            message = {"role": "assistant", "content": text, "refusal": None}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
+            if self.want_logprobs:
+                choice["logprobs"] = {"content": logprobs, "refusal": None}
+            return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": model_id,
+                    "choices": [choice], "usage": _usage(done)}  # fmt: skip
+
+    async def _answer(request: Request, req, q: asyncio.Queue, shape, stream: bool, include_usage: bool):
+        """Both endpoints' one path: the shape's chunks as server-sent events, or the whole answer at the end."""
+        if stream:
+
+            def sse(c: dict) -> str:
+                if include_usage:
+                    c["usage"] = None
+                return _sse(c)
+
+            async def gen():
+                for c in shape.first():
+                    yield sse(c)
+                async for ev in _events(request, req, q, poll_disconnect=False):
+                    if isinstance(ev, DoneEvent):
+                        final = shape.final(ev)
+                        if include_usage:
+                            for c in final:
+                                c["usage"] = None
+                        for line in _sse_end(ev, final, include_usage):
+                            yield line
+                        continue
+                    c = shape.chunk(ev, shape.logprob(ev))
+                    if c is not None:
+                        yield sse(c)
+
+            return _stream(gen())
+        parts, logprobs = [], []
+        async for ev in _events(request, req, q, poll_disconnect=True):
+            if isinstance(ev, DoneEvent):
+                err = _end_error(ev)
+                if err is not None:
+                    raise err
+                parts.append(ev.text)
+                return JSONResponse(shape.whole(ev, "".join(parts), logprobs))
+            parts.append(ev.text)
+            lp = shape.logprob(ev)
+            if lp is not None:
+                logprobs.append(lp)
+        return Response(status_code=499)  # the client went away
+
+    def _include_usage(body) -> bool:
+        return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
     # ------------------------------------------------------------------ routes
     @app.post("/v1/completions")
@@ -435,53 +531,8 @@ def create_app(
                 raise ApiError(400, f"token id {bad[0]} is out of range [0, {n_vocab})", param="prompt")
         max_tokens = _check_lengths(len(ids), 16 if body.max_tokens is None else body.max_tokens, True)
         req, q = _submit(ids, body, max_tokens, body.logprobs)
-        rid, t0 = f"cmpl-{req.id}", int(time.time())
-        lp = _CompletionLogprobs()
-
-        def chunk(text, finish=None, logprobs=None) -> dict:
-            c = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
-            return {"id": rid, "object": "text_completion", "created": t0, "model": model_id, "choices": [c]}
-
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-            async def gen():
-                async for ev in _events(request, req, q, poll_disconnect=False):
-                    if not isinstance(ev, DoneEvent):
-                        logprobs = lp.of(ev)
-                        if ev.text or logprobs is not None:
-                            c = chunk(ev.text, logprobs=logprobs)
-                            if include_usage:
-                                c["usage"] = None
-                            yield _sse(c)
-                        continue
-                    final = chunk(ev.text, ev.finish_reason)
-                    if include_usage:
-                        final["usage"] = None
-                    for line in _sse_end(ev, [final], include_usage):
-                        yield line
-
-            return _stream(gen())
-
-        parts, logs = [], []
-        async for ev in _events(request, req, q, poll_disconnect=True):
-            if isinstance(ev, DoneEvent):
-                err = _end_error(ev)
-                if err is not None:
-                    raise err
-                parts.append(ev.text)
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = {k: [x for d in logs for x in d[k]] for k in
-                                ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
-                out = chunk("".join(parts), ev.finish_reason, logprobs)
-                out["usage"] = _usage(ev)
-                return JSONResponse(out)
-            parts.append(ev.text)
-            logprobs = lp.of(ev)
-            if logprobs is not None:
-                logs.append(logprobs)
-        return Response(status_code=499)  # the client went away
+        shape = _CompletionShape(f"cmpl-{req.id}", int(time.time()), body.logprobs)
+        return await _answer(request, req, q, shape, body.stream, _include_usage(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -498,56 +549,8 @@ def create_app(
         max_tokens = _check_lengths(len(ids), requested, requested is not None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         req, q = _submit(ids, body, max_tokens, logprobs)
-        rid, t0 = f"chatcmpl-{req.id}", int(time.time())
-
-        def chunk(delta: dict, finish=None, logprobs=None) -> dict:
-            c = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return {"id": rid, "object": "chat.completion.chunk", "created": t0, "model": model_id, "choices": [c]}
-
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-            def sse(c):
-                if include_usage:
-                    c["usage"] = None
-                return _sse(c)
-
-            async def gen():
-                yield sse(chunk({"role": "assistant", "content": ""}))
-                async for ev in _events(request, req, q, poll_disconnect=False):
-                    if not isinstance(ev, DoneEvent):
-                        lp = _chat_logprob(ev)
-                        if ev.text or lp is not None:
-                            yield sse(chunk({"content": ev.text}, logprobs=None if lp is None else {"content": [lp]}))
-                        continue
-                    final = ([chunk({"content": ev.text})] if ev.text else []) + [chunk({}, ev.finish_reason)]
-                    if include_usage:
-                        for c in final:
-                            c["usage"] = None
-                    for line in _sse_end(ev, final, include_usage):
-                        yield line
-
-            return _stream(gen())
-
-        parts, lps = [], []
-        async for ev in _events(request, req, q, poll_disconnect=True):
-            if isinstance(ev, DoneEvent):
-                err = _end_error(ev)
-                if err is not None:
-                    raise err
-                parts.append(ev.text)
-                message = {"role": "assistant", "content": "".join(parts), "refusal": None}
-                choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": ev.finish_reason}
-                if logprobs is not None:
-                    choice["logprobs"] = {"content": lps, "refusal": None}
-                out = {"id": rid, "object": "chat.completion", "created": t0, "model": model_id,
-                       "choices": [choice], "usage": _usage(ev)}  # fmt: skip
-                return JSONResponse(out)
-            parts.append(ev.text)
-            lp = _chat_logprob(ev)
-            if lp is not None:
-                lps.append(lp)
-        return Response(status_code=499)
+        shape = _ChatShape(f"chatcmpl-{req.id}", int(time.time()), logprobs)
+        return await _answer(request, req, q, shape, body.stream, _include_usage(body))
 
     @app.get("/v1/models")
     async def models():
