@@ -17,6 +17,7 @@ import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402
 
 from alchemist.runtime.backends import get_mode  # noqa: E402
+from slot_runs import assert_slots_equal_engine  # noqa: E402
 
 PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
 CONTEXT = 64
@@ -279,18 +280,4 @@ def test_slot_engine_runs_gpt_oss(oss_mxfp4, tmp_path_factory):
     single = Engine(module, weights, "c", 32)
     rng = np.random.default_rng(0)
     seqs = [[int(t) for t in rng.integers(0, module.N_VOCAB, n)] for n in (19, 6, 14)]
-    got = {i: {} for i in range(3)}
-    for i in range(3):
-        for a, b in se.chunk_plan(5):
-            got[i][b - 1] = se.prefill(i, seqs[i][a:b], a)
-    pos = [5, 5, 5]
-    while live := [i for i in range(3) if pos[i] < len(seqs[i])]:
-        out = se.decode(live, [seqs[i][pos[i]] for i in live], [pos[i] for i in live])
-        for row, i in enumerate(live):
-            got[i][pos[i]] = out[row]
-            pos[i] += 1
-    for i, seq in enumerate(seqs):
-        single.reset()
-        want = single.run(seq, 0, all_logits=True)
-        rows = sorted(got[i])
-        np.testing.assert_allclose(np.stack([got[i][r] for r in rows]), want[rows], rtol=1e-4, atol=1e-4)
+    assert_slots_equal_engine(se, single, seqs, [5, 5, 5])

@@ -20,6 +20,7 @@ from test_kernels import random_blocks  # noqa: E402
 from alchemist.kernels import quantized_expert_linear, row_bytes  # noqa: E402
 from alchemist.kernels.formats import reference_dequantize  # noqa: E402
 from alchemist.runtime.backends import get_mode  # noqa: E402
+from slot_runs import assert_slots_equal_engine  # noqa: E402
 
 TYPES = ("F32", "Q8_0", "Q4_K")
 N_EXPERT, N_OUT, N_IN, K = 6, 24, 256, 2
@@ -395,21 +396,7 @@ def test_slot_engine_runs_moe(tiny_gguf, tmp_path_factory):
     single = Engine(module, weights, "c", 32)
     rng = np.random.default_rng(0)
     seqs = [[int(t) for t in rng.integers(0, module.N_VOCAB, n)] for n in (9, 6, 11)]
-    got = {i: {} for i in range(3)}
-    for i in range(3):
-        for a, b in se.chunk_plan(5):
-            got[i][b - 1] = se.prefill(i, seqs[i][a:b], a)
-    pos = [5, 5, 5]
-    while live := [i for i in range(3) if pos[i] < len(seqs[i])]:
-        out = se.decode(live, [seqs[i][pos[i]] for i in live], [pos[i] for i in live])
-        for row, i in enumerate(live):
-            got[i][pos[i]] = out[row]
-            pos[i] += 1
-    for i, seq in enumerate(seqs):
-        single.reset()
-        want = single.run(seq, 0, all_logits=True)
-        rows = sorted(got[i])
-        np.testing.assert_allclose(np.stack([got[i][r] for r in rows]), want[rows], rtol=1e-4, atol=1e-4)
+    assert_slots_equal_engine(se, single, seqs, [5, 5, 5])
 
 
 def test_expert_routing_reports_choices_weights_and_load(moe_module, tiny_gguf):

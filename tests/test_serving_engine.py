@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from alchemist import inference, load_llm
+from slot_runs import run_in_slots  # noqa: E402
 
 PROMPTS = [[2, 7, 11, 5, 3], [9, 4], [13, 6, 8, 1, 1, 2, 40], [100, 3, 17], [5, 5, 5, 5]]
 
@@ -138,19 +139,8 @@ def test_batched_logits_equal_unbatched(slot_engines, reference_logits, arch, we
     se = slot_engines(arch, weight_type, backend)
     seqs = _sequences(se.n_vocab)
     prefilled = [6, 9, 5]
-    got: dict = {i: {} for i in range(3)}
-    for i, seq in enumerate(seqs):
-        for a, b in se.chunk_plan(prefilled[i]):
-            got[i][b - 1] = se.prefill(i, seq[a:b], a)
-    pos = list(prefilled)
-    sizes = set()
-    while live := [i for i in range(3) if pos[i] < len(seqs[i])]:
-        out = se.decode(live, [seqs[i][pos[i]] for i in live], [pos[i] for i in live])
-        assert out.shape == (len(live), se.n_vocab) and out.dtype == np.float32
-        sizes.add(len(live))
-        for row, i in enumerate(live):
-            got[i][pos[i]] = out[row]
-            pos[i] += 1
+    got, sizes = run_in_slots(se, seqs, prefilled)
+    assert all(v.shape == (se.n_vocab,) and v.dtype == np.float32 for rows in got.values() for v in rows.values())
     assert sizes == {1, 2, 3}
     if arch == "gemma3":
         assert min(se.rows) < max(len(s) for s in seqs) - 4  # the ring wrapped (more than once)
