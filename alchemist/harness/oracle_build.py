@@ -78,8 +78,9 @@ def oracle_build() -> OracleBuild:
     return OracleBuild(variant=variant_of(set(features)), features=features, system_info=text)
 
 
+@cache
 def host_flags() -> frozenset[str]:
-    """This CPU's flags from /proc/cpuinfo (empty where there is none)."""
+    """This CPU's flags from /proc/cpuinfo (empty where there is none), read once per process."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

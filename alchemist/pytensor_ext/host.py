@@ -27,6 +27,7 @@ import ctypes.util
 import os
 import threading
 from contextlib import ExitStack, contextmanager
+from functools import cache
 from pathlib import Path
 
 from alchemist.pytensor_ext import pytensor_internals
@@ -165,8 +166,24 @@ def restore_gcc_march_flags() -> None:
 
     PyTensor detects them once per process by running g++ (0.3 s of every model load). They depend on the
     compiler and the CPU only, so we remember them keyed by both; a different machine sharing the home
-    directory gets its own entry. Call after pytensor is imported, before anything is compiled.
+    directory gets its own entry. activated() calls this on every entry and puts PyTensor's value back on exit,
+    so the flags are looked up (or detected) once per process and only set again after that.
     """
+    import pytensor
+
+    from alchemist.pytensor_ext.pytensor_internals import GCC_compiler
+
+    if GCC_compiler.march_flags is not None or not pytensor.config.cxx:
+        return
+    flags = _remembered_march_flags(pytensor.config.cxx, pytensor.config.gcc__cxxflags)
+    if flags is not None:
+        GCC_compiler.march_flags = list(flags)
+
+
+@cache
+def _remembered_march_flags(cxx: str, cxxflags: str) -> tuple[str, ...] | None:
+    """The -march flags for this compiler and CPU: from alchemist's memo file, else detected by PyTensor and
+    remembered there (None when the compiler or /proc/cpuinfo cannot be read, or detection gives nothing)."""
     import hashlib
     import json
     import shutil
@@ -176,32 +193,25 @@ def restore_gcc_march_flags() -> None:
     from alchemist.paths import cache_subdir, remember
     from alchemist.pytensor_ext.pytensor_internals import GCC_compiler
 
-    if GCC_compiler.march_flags is not None or not pytensor.config.cxx:
-        return
-    compiler = shutil.which(pytensor.config.cxx) or pytensor.config.cxx
+    compiler = shutil.which(cxx) or cxx
     try:
         st = os.stat(compiler)
         cpu = [
             line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "model name"))
         ]
     except OSError:
-        return
-    identity = [
-        os.path.realpath(compiler),
-        st.st_size,
-        st.st_mtime_ns,
-        sorted(set(cpu)),
-        pytensor.__version__,
-        pytensor.config.gcc__cxxflags,
-    ]
+        return None
+    identity = [os.path.realpath(compiler), st.st_size, st.st_mtime_ns, sorted(set(cpu)), pytensor.__version__]
+    identity.append(cxxflags)
     memo = cache_subdir("march") / (hashlib.sha256(json.dumps(identity).encode()).hexdigest() + ".json")
     try:
         flags = json.loads(memo.read_text())
         if isinstance(flags, list) and all(isinstance(f, str) and f and f.split() == [f] for f in flags):
-            GCC_compiler.march_flags = flags
-            return
+            return tuple(flags)
     except (OSError, ValueError):
         pass
     GCC_compiler.compile_args()  # detects and sets GCC_compiler.march_flags
-    if GCC_compiler.march_flags is not None:
-        remember(memo, json.dumps(GCC_compiler.march_flags))
+    if GCC_compiler.march_flags is None:
+        return None
+    remember(memo, json.dumps(GCC_compiler.march_flags))
+    return tuple(GCC_compiler.march_flags)

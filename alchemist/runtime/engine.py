@@ -23,10 +23,10 @@ from alchemist.errors import AlchemistError
 import pytensor
 import pytensor.tensor as pt
 
-from alchemist.runtime import graph_cache
 from alchemist.pytensor_ext import compile_progress, parallel_build, pytensor_internals
-from alchemist.runtime.backends import get_mode, static_shapes
 from alchemist.pytensor_ext.host import activated, one_blas_thread
+from alchemist.runtime import graph_cache
+from alchemist.runtime.backends import get_mode, static_shapes
 
 PREFILL_BUCKETS = (8, 32, 128, 512)
 SHORT_PROMPT = 8  # up to this many tokens, a prompt may go through the decode function (Engine._decode_is_quicker)
@@ -359,8 +359,7 @@ class Engine:
             names = list(taps)
             shared = self._shared_by_name()
             cache_key = self._graph_cache_key(n_tokens, True, shared, taps=True)
-            build = lambda: (inputs, [taps[n] for n in names], None)  # noqa: E731
-            fn, _ = cached_or_compiled(cache_key, shared, self.mode, build)
+            fn, _ = cached_or_compiled(cache_key, shared, self.mode, lambda: (inputs, [taps[n] for n in names], None))
         return names, fn
 
     # -- running -----------------------------------------------------------------------------------
