@@ -45,12 +45,7 @@ from alchemist.kernels.expansion import register_expansion
 from alchemist.kernels.native import register_numba_expansion
 from alchemist.kernels.sources import source
 
-# before any namespace: the headers and the switch V_EXPF_C's eight-lane version needs
-V_EXPF_INCLUDES = source("v_expf_includes.h")
-
-V_EXPF_C = source("v_expf.h")
-
-ATTENTION_C = source("attention.cpp")
+ATTENTION_C = source("attention.cpp")  # with csrc/v_expf.h, ggml's vectorized expf, shared with SiLU
 
 
 # -- numpy transcription (perform, and the tests' reference) -------------------------------------------------
