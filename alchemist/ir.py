@@ -310,6 +310,9 @@ class ModelIR:
     # its own way (lfm2)
     tap_names: tuple[tuple[str, str], ...] = field(default=(), metadata=LATER)
     altup: AltUpSpec | None = field(default=None, metadata=LATER)
+    # the GGUF metadata the family read, key -> value (a per-layer array as ("ndarray", dtype, values)): with the
+    # tensor inventory, what rebuilds this IR (the generated module carries it as METADATA for its audit)
+    metadata: tuple[tuple[str, object], ...] = field(default=(), metadata=LATER)
 
     @property
     def attention_layers(self) -> tuple[LayerSpec, ...]:

@@ -351,17 +351,6 @@ def compare(
     return Comparison(ours, theirs)
 
 
-def round_like_llamacpp(model) -> None:
-    """Diagnostic: make a freshly loaded model (nothing compiled yet) round its matmul inputs as llama.cpp's
-    CPU backend does: load_llm(..., numerics="ggml") does the same at load time."""
-    from alchemist.runtime.numerics import with_numerics
-
-    if model.engine._functions:
-        raise AlchemistError("round_like_llamacpp needs a model loaded with compile_now=False")
-    model.engine.module = with_numerics(model.engine.module, "ggml")
-    model.numerics = "ggml"
-
-
 def perplexity_file(
     model_path: str | Path,
     text_path: str | Path,

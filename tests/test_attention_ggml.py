@@ -173,18 +173,18 @@ def test_attention_is_llamacpps_bit_for_bit(llamacpp_bits, fixture_files, arch):
     assert formula_differing > 0
 
 
-# --------------------------------------------------------------------------------------- the ggml module copy
-def test_the_ggml_copy_attends_with_the_op(tiny_module):
-    from alchemist.runtime.numerics import with_numerics
+# ---------------------------------------------------------------------------------- the ggml primitives
+def test_the_ggml_primitives_attend_with_the_op(tiny_module):
+    from alchemist.runtime.numerics import primitives
 
     exact, _ = tiny_module("llama")
-    ggml = with_numerics(exact, "ggml")
+    ggml = primitives(exact, "ggml")
     assert attention_variant(exact) == {
         "scale": float(np.float32(exact.SCORE_SCALE)),
         "softcap": 0.0,
         "has_sinks": False,
     }
-    assert ggml.causal_attention is not exact.causal_attention and attention_variant(ggml) is None
+    assert ggml.causal_attention is not exact.causal_attention
     n_head, n_kv, dim = exact.N_HEAD, exact.N_KV_HEAD, exact.HEAD_DIM
     q = pt.tensor("q", dtype="float32", shape=(3, n_head, dim))
     kv = [pt.tensor(n, dtype="float32", shape=(1, 5, n_kv, dim)) for n in ("k", "v")]

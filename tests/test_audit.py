@@ -309,13 +309,44 @@ def test_committed_audit_reports_regenerate_byte_identically(reference_reports, 
         assert str(ROOT) not in text and str(Path.home()) not in text  # no absolute paths
 
 
-def test_ir_only_and_static_only_audits(fixture_modules):
+def _write(directory: Path, name: str, text: str) -> Path:
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
+def test_ir_only_and_module_only_audits(fixture_modules, tmp_path):
+    """Given only the module, the auditor rebuilds the IR from its METADATA and TENSORS and runs every check;
+    metadata edited after generation no longer hashes to PROVENANCE's IR, and a module without METADATA cannot
+    have its roles and head sizes checked."""
     module, _, ir = fixture_modules["qwen3"]
     with_ir = audit_module(module, ir=ir)
     assert with_ir.passed, with_ir.table()
-    static = audit_module(module)
-    assert set(static.failed) == {"orientation", "heads"}, static.table()  # roles and head sizes need the IR
-    assert "needs the IR" in static.check("heads").why and "no GGUF" in static.check("provenance").why
+    alone = audit_module(module)
+    assert alone.passed, alone.table()
+    assert "matches the IR rebuilt from the module's METADATA and TENSORS" in alone.check("provenance").why
+    text = Path(module).read_text()
+    base = '    "qwen3.rope.freq_base": 10000.0,\n'
+    assert text.count(base) == 1
+    report = audit_module(_write(tmp_path, "base.py", text.replace(base, base.replace("10000.0", "20000.0"))))
+    assert {"provenance", "config"} <= set(report.failed), report.table()  # ROPE_BASE no longer the IR's either
+    assert "hash of the IR rebuilt from the module's METADATA" in report.check("provenance").why
+    heads = '    "qwen3.attention.head_count": 4,\n'
+    report = audit_module(_write(tmp_path, "heads.py", text.replace(heads, heads.replace("4", "8"))))
+    assert "cannot be rebuilt" in report.check("provenance").why and "attn_q.weight" in report.check("provenance").why
+    start, end = text.index("METADATA = {"), text.index("}\n", text.index("METADATA = {")) + 2
+    bare = audit_module(_write(tmp_path, "bare.py", text[:start] + text[end:]))
+    assert {"provenance", "orientation", "heads"} <= set(bare.failed), bare.table()
+    assert "METADATA is missing" in bare.check("provenance").why and "needs the IR" in bare.check("heads").why
+
+
+def test_a_longrope_model_trained_at_its_original_context_passes(tmp_path):
+    """LongRoPE reads its long factors only past the original context; a model trained at exactly that context
+    (phi3's "short" fixture) still reads them when a user asks for a longer cache, and coverage sees that."""
+    path = write_fixture(tmp_path / "phi3-short.gguf", "phi3:short")
+    ir = build_model_ir(read_gguf(path))
+    report = audit_module(write_generated(ir, tmp_path / "generated"))
+    assert report.passed, report.table()
 
 
 def test_wrong_gguf_fails_provenance_and_config(fixture_modules):

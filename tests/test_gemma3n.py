@@ -138,7 +138,7 @@ def test_altup_predict_correct_and_magnitudes_are_llamacpps(fixture_module):
     out = rng.standard_normal((T, E)).astype(np.float32)
     h, o = pt.tensor("h", dtype="float32", shape=(A, T, E)), pt.tensor("o", dtype="float32", shape=(T, E))
     w = {k: pt.constant(v) for k, v in weights.items()}
-    P, C = _fn([h, o], [module.altup_predict(w, 1, h, None), module.altup_correct(w, 1, h, o, None)])(H, out)
+    P, C = _fn([h, o], [module.altup_predict(module.EXACT, w, 1, h, None), module.altup_correct(module.EXACT, w, 1, h, o, None)])(H, out)
 
     def router(x):
         norm = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + module.NORM_EPS)

@@ -190,8 +190,9 @@ def test_anything_that_changes_the_graph_misses(tiny_module, graph_dir):
     name = next(iter(other))
     other[name] = other[name].astype(np.float64)
     assert key != Engine(mod, other, "c", 32)._graph_cache_key(1, False)  # a weight's dtype
+    assert key != Engine(mod, weights, "c", 32, numerics="ggml")._graph_cache_key(1, False)  # the primitives
 
-    # a patched module builds another graph: it is never cached (alchemist.harness.emulate does this)
+    # a module a user rebinds a function of builds another graph than its source says: never cached
     patched = import_generated(mod.__file__, name_suffix="_patched")
     assert Engine(patched, weights, "c", 32)._graph_cache_key(1, False) == key
     patched.rms_norm = lambda x, w: x

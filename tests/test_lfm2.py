@@ -77,7 +77,7 @@ def test_short_conv_matches_ssm_conv_across_steps(lfm2_loaded):
     positions = pt.vector("positions", dtype="int64")
     cache = pt.matrix("cache", dtype="float32")
     taps = {}
-    out, new_cache = module.short_conv(w, il, x, positions, cache, taps)
+    out, new_cache = module.short_conv(module.EXACT, w, il, x, positions, cache, taps)
     fn = pytensor.function([x, positions, cache], [out, new_cache, taps["model.layers.{}.conv.conv-3"]])
 
     rng = np.random.default_rng(1)

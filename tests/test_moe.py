@@ -213,7 +213,7 @@ def test_router_matches_llamacpp(tiny_gguf, tmp_path, gating, normalize, scale, 
     x = pt.matrix("x", dtype="float32")
     w = {"blk.0.ffn_gate_inp.weight": pt.matrix("r", dtype="float32"), "blk.0.ffn_gate_inp.bias": pt.vector("b")}
     taps: dict = {}
-    experts, weights = module.route(w, 0, x, taps)
+    experts, weights = module.route(module.EXACT, w, 0, x, taps)
     fn = pytensor.function([x, *w.values()], [experts, weights], mode=get_mode("c"), on_unused_input="ignore")
     rng = np.random.default_rng(2)
     xs = rng.standard_normal((7, n_embd)).astype(np.float32)
@@ -249,14 +249,13 @@ def moe_engines():
 def _validate(fixture_files, moe_engines, case, backend, wtype, n_generate, kernels):
     from alchemist.harness import LlamaCppOracle
     from alchemist.harness.validate import load_for_validation, validate_backend
-    from alchemist.runtime.engine import Engine
 
     pytest.importorskip("llama_cpp")
     path = fixture_files(case, wtype)
     loaded = load_for_validation(str(path))
     key = (case, backend, wtype if kernels else "float32")
     if key not in moe_engines:
-        moe_engines[key] = Engine(loaded.module, loaded.weights_for(backend, kernels), backend, CONTEXT)
+        moe_engines[key] = loaded.engine(backend, CONTEXT, kernels)
     with LlamaCppOracle(str(path), n_ctx=CONTEXT, n_threads=1) as oracle:
         res = validate_backend(loaded, backend, oracle, PROMPT, n_generate, CONTEXT, engine=moe_engines[key],
                                quantized=kernels)

@@ -1,5 +1,6 @@
 """Numerics modes (alchemist.runtime.numerics): "ggml" computes what llama.cpp's CPU backend computes, "exact" what
-the generated module says; the ggml copy is cached on disk under its own keys; a failing exact validation is
+the generated module says, both as bundles of primitives its layers call through `ops` (no function of a loaded
+module is ever replaced); a ggml engine is cached on disk under its own keys; a failing exact validation is
 attributed (or not) to llama.cpp's activation rounding; greedy disagreements must be within-noise ties."""
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import pytest
 from alchemist.errors import AlchemistError
 from alchemist.harness.metrics import greedy_agreement
 from alchemist.runtime import graph_cache
-from alchemist.runtime.engine import _SOURCE_SHA256, Engine, is_as_imported
+from alchemist.runtime.engine import Engine, import_generated, is_as_imported
 from alchemist.kernels import gelu_table
-from alchemist.runtime.numerics import NUMERICS, numerics_of, resolve_numerics, with_numerics
+from alchemist.runtime.numerics import NUMERICS, primitives, resolve_numerics
 
 PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]  # token 1 only at position 0
 DECODE = [9, 4, 13, 6]
@@ -61,21 +62,44 @@ def test_every_model_loading_command_takes_numerics():
             _numerics(parser.parse_args(command + ["--llamacpp-rounding", "--numerics", "exact"]))
 
 
-def test_the_ggml_copy_leaves_the_generated_module_alone(tiny_module):
-    from alchemist.harness.emulate import emulating_llamacpp
-
+def test_the_ggml_primitives_leave_the_generated_module_alone(tiny_module):
     module, _ = tiny_module("gemma3")
-    assert with_numerics(module, "exact") is module
-    ggml = with_numerics(module, "ggml")
-    assert ggml is not module and numerics_of(ggml) == "ggml" and numerics_of(module) == "exact"
-    assert ggml.gelu is gelu_table and module.gelu is not gelu_table
-    assert is_as_imported(module) and is_as_imported(ggml)  # both cacheable, under different source hashes
-    assert getattr(ggml, _SOURCE_SHA256) != getattr(module, _SOURCE_SHA256)
-    assert with_numerics(ggml, "ggml") is ggml
-    ggml.rms_norm = lambda x, w: x  # patched after the copy: not the module the hash names, never cached
-    assert not is_as_imported(ggml)
-    assert numerics_of(emulating_llamacpp(module)) == "ggml"  # the diagnostic is the same copy
+    names = dict(vars(module))
+    exact, ggml = primitives(module, "exact"), primitives(module, "ggml")
+    assert exact is module.EXACT and exact.gelu is module.gelu and exact.rms_norm is module.rms_norm
+    assert ggml.gelu is gelu_table and ggml.rms_norm is not module.rms_norm and ggml.project is not module.project
+    assert ggml.swiglu_oai is exact.swiglu_oai and ggml.layer_norm is exact.layer_norm  # what ggml does not change
+    assert vars(module) == names and is_as_imported(module)  # not a name of the module rebound
+    module.rms_norm = lambda x, w: x  # a user's rebinding: not the source the hash names, never cached
+    assert not is_as_imported(module)
     assert "numerics.py" in "".join(graph_cache._GRAPH_SOURCES)
+
+
+def test_editing_the_generated_file_changes_what_runs(tiny_gguf, tmp_path):
+    """The generated file is the program under the default numerics too: an edit of attention() in the file
+    (its output scaled) changes the logits of load_llm's default engine, and no function of the loaded module
+    is replaced after import."""
+    from alchemist import load_llm
+
+    model = load_llm(tiny_gguf("llama"), context=CONTEXT, generated_dir=tmp_path / "g", progress=False)
+    assert model.numerics == "ggml" and model.engine.module is model.module
+    for name, value in vars(model.module).items():  # every function is the file's own, as written
+        if callable(value) and getattr(value, "__module__", None) == model.module.__name__:
+            assert value.__code__.co_filename == str(model.module_path), name
+    source = model.module_path.read_text()
+    line = "    return ops.project(out, w, p + \"attn_output.weight\"), k_cache, v_cache\n"
+    assert source.count(line) == 1
+    edited_path = tmp_path / "edited" / model.module_path.name
+    edited_path.parent.mkdir()
+    edited_path.write_text(source.replace(line, line.replace("ops.project(out,", "ops.project(out * np.float32(2),")))
+    edited = import_generated(edited_path)
+    weights = model.module.load_weights(model.path, quantized=True)
+    runs = [
+        Engine(module, weights, "c", CONTEXT, numerics="ggml").run(PROMPT, 0, all_logits=True)
+        for module in (model.module, edited)
+    ]
+    np.testing.assert_array_equal(runs[0], model.engine.run(PROMPT, 0, all_logits=True))
+    assert np.abs(runs[1] - runs[0]).max() > 1e-3
 
 
 # ------------------------------------------------------------------------------------------ against llama.cpp
@@ -120,7 +144,7 @@ def test_ggml_numerics_are_llamacpps_to_the_bit(llamacpp_bits, fixture_files, c_
 
     path = str(fixture_files(arch, "Q4_K"))
     loaded = load_for_validation(path, numerics="ggml")
-    engine = Engine(loaded.module, loaded.weights_for(backend, True), backend, CONTEXT)
+    engine = loaded.engine(backend, CONTEXT, True)
     with LlamaCppOracle(path, n_ctx=CONTEXT, n_threads=1) as oracle:
         assert np.array_equal(engine.run(PROMPT, 0, all_logits=True), oracle.logits(PROMPT))
         continuation = oracle.greedy(PROMPT, 3)
@@ -137,7 +161,7 @@ def test_a_shared_engine_must_compute_with_the_files_numerics(fixture_files):
 
     q8 = load_for_validation(str(fixture_files("qwen2", "Q8_0")), numerics="ggml")
     q4 = load_for_validation(str(fixture_files("qwen2", "Q4_K")), numerics="ggml")
-    engine = Engine(q8.module, q8.weights_for("c", False), "c", CONTEXT)
+    engine = q8.engine("c", CONTEXT, False)
     with pytest.raises(AlchemistError, match="numerics='ggml' for its own file's weight types"):
         validate_backend(q4, "c", None, PROMPT, 0, CONTEXT, engine=engine, quantized=False)
 
@@ -155,7 +179,7 @@ def test_ggml_rms_norm_is_llamacpps_bit_for_bit(fixture_files, backend):
 
     path = str(fixture_files("gemma3", "Q8_0"))
     loaded = load_for_validation(path, numerics="ggml")
-    ours = tap_values(Engine(loaded.module, loaded.weights_for(backend), backend, CONTEXT), PROMPT)
+    ours = tap_values(loaded.engine(backend, CONTEXT), PROMPT)
     names = ["attn_norm-0", "Qcur_normed-0", "Kcur_normed-0"]
     with LlamaCppOracle(path, n_ctx=CONTEXT, n_threads=1) as oracle:
         theirs = oracle.intermediates(PROMPT, names)
@@ -184,14 +208,14 @@ def test_a_ggml_engine_loads_from_the_graph_cache(q4k_file, graph_dir, tmp_path)
 
     exact = load_for_validation(q4k_file, numerics="exact")
     weights = exact.weights_for("c")  # GGUF blocks: the kernels
-    first = Engine(with_numerics(exact.module, "ggml"), weights, "c", CONTEXT)
+    first = Engine(exact.module, weights, "c", CONTEXT, numerics="ggml")
     expected = _generate(first)
     assert first.stats.graph_cache_hits == 0 and first.stats.compile_count == 2
     exact_key = Engine(exact.module, weights, "c", CONTEXT)._graph_cache_key(1, False)
     ggml_key = first._graph_cache_key(1, False)
     assert exact_key and ggml_key and exact_key != ggml_key
 
-    second = Engine(with_numerics(exact.module, "ggml"), weights, "c", CONTEXT)  # a fresh copy, another engine
+    second = Engine(exact.module, weights, "c", CONTEXT, numerics="ggml")  # another engine
     np.testing.assert_array_equal(_generate(second), expected)
     assert second.stats.graph_cache_hits == 2
 
@@ -222,10 +246,10 @@ def test_load_llm_numerics(tiny_gguf, tmp_path):
     from alchemist import inference, load_llm
 
     model = load_llm(tiny_gguf("gemma3"), context=CONTEXT, generated_dir=tmp_path, progress=False, compile_now=False)
-    assert model.numerics == "ggml" and numerics_of(model.engine.module) == "ggml"
-    assert numerics_of(model.module) == "exact"  # what alchemist.symbolic differentiates
+    assert model.numerics == model.engine.numerics == "ggml" and model.engine.ops.gelu is gelu_table
+    assert model.engine.module is model.module  # the module as written; its EXACT is what alchemist.symbolic differentiates
     exact = load_llm(tiny_gguf("gemma3"), context=CONTEXT, generated_dir=tmp_path, progress=False, numerics="exact")
-    assert exact.engine.module is exact.module
+    assert exact.engine.module is exact.module and exact.engine.ops is exact.module.EXACT
     ids = [2, 40, 300, 7, 99]
     a, b = (inference(m, ids, max_tokens=2) for m in (model, exact))
     assert a.report["numerics"] == "ggml" and b.report["numerics"] == "exact"
@@ -317,7 +341,7 @@ def test_with_a_massive_activation_exact_is_closer_to_f32(massive_q4k):
     kl = {}
     for numerics in NUMERICS:
         loaded = load_for_validation(q4k, numerics=numerics)
-        logits = Engine(loaded.module, loaded.weights_for("c"), "c", CONTEXT).run(PROMPT, 0, all_logits=True)
+        logits = loaded.engine("c", CONTEXT).run(PROMPT, 0, all_logits=True)
         kl[numerics] = kl_divergence(reference, logits)
     assert kl["exact"].mean() * 2 < kl["ggml"].mean(), kl
     assert kl["exact"][0] * 2 < kl["ggml"][0], kl  # position 0, the massive one

@@ -204,7 +204,7 @@ def test_rope_is_llamacpps_bit_for_bit(fixture_files, tmp_path, monkeypatch, arc
 
     from alchemist.fixtures import FixtureConfig, write_fixture
     from alchemist.runtime.api import load_llm
-    from alchemist.runtime.numerics import with_numerics
+    from alchemist.runtime.numerics import primitives
 
     if "@" in arch:
         name, _, hd = arch.partition("@")
@@ -217,7 +217,7 @@ def test_rope_is_llamacpps_bit_for_bit(fixture_files, tmp_path, monkeypatch, arc
     nodes = _rope_nodes(monkeypatch, path, n_ctx)
     assert len(nodes) >= 4
     exact = load_llm(str(path), backend="c", numerics="exact").module
-    ggml = with_numerics(exact, "ggml")
+    ggml = primitives(exact, "ggml")
     w = {
         t.name: pt.constant(np.array(t.data, np.float32))
         for t in gguf.GGUFReader(str(path)).tensors
@@ -229,7 +229,7 @@ def test_rope_is_llamacpps_bit_for_bit(fixture_files, tmp_path, monkeypatch, arc
     n_exact_differing = 0
     for name, (before, after) in nodes.items():
         il = int(name.rsplit("-", 1)[1])
-        outs = [mod.rope(x, mod.rope_angles(w, il, p, *extra)) for mod in (ggml, exact)]
+        outs = [ops.rope(x, ops.rope_angles(w, il, p, *extra)) for ops in (ggml, exact.EXACT)]
         ours, formula = pytensor.function([x, p], outs, mode=get_mode("c"))(before.astype(np.float32), positions)
         assert np.array_equal(ours, after), f"{name}: {np.sum(ours != after)} of {after.size} differ"
         n_exact_differing += int(np.sum(formula != after))

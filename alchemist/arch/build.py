@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from alchemist.arch.family import Family, Hparams
 from alchemist.arch.table import Dims, TensorSpec
 from alchemist.errors import GGUFError, UnsupportedModelError
@@ -414,4 +416,22 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         tensors=tuple(bindings[n] for n in facts.tensors),
         tap_names=family.tap_names,
     )
-    return family.components(hp, ir) if family.components else ir
+    ir = family.components(hp, ir) if family.components else ir
+    read = {"general.architecture"} | ({"general.name"} if "general.name" in facts.metadata else set()) | hp.read
+    return dataclasses.replace(ir, metadata=tuple((k, metadata_literal(facts.metadata[k])) for k in sorted(read)))
+
+
+def metadata_literal(value):
+    """A metadata value as plain data: scalars as they are, an array as ("ndarray", dtype, values)."""
+    if isinstance(value, np.ndarray):
+        return ("ndarray", str(value.dtype), tuple(value.tolist()))
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def metadata_value(literal):
+    """metadata_literal's inverse."""
+    if isinstance(literal, tuple) and len(literal) == 3 and literal[0] == "ndarray":
+        return np.array(literal[2], dtype=literal[1])
+    return literal

@@ -29,17 +29,26 @@ class Hparams:
     def __init__(self, facts: GGUFFacts, arch: str):
         self.facts = facts
         self.arch = arch
+        self.read: set[str] = set()  # the keys looked up that the file has: what the IR was built from
+
+    def _lookup(self, full: str):
+        """metadata[full], or None when absent; a present key is remembered in `read`."""
+        if full not in self.facts.metadata:
+            return None
+        self.read.add(full)
+        return self.facts.metadata[full]
 
     def key(self, key: str) -> str:
         return key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
 
     def has(self, key: str) -> bool:
-        return self.key(key) in self.facts.metadata
+        return self._lookup(self.key(key)) is not None
 
     def _raw(self, key: str, default):
         full = self.key(key)
-        if full in self.facts.metadata:
-            return full, self.facts.metadata[full]
+        value = self._lookup(full)
+        if value is not None:
+            return full, value
         if default is REQUIRED:
             raise GGUFError(self.facts.path, full, "required hyperparameter is missing")
         return full, default
@@ -89,7 +98,7 @@ class Hparams:
     def _per_layer(self, key: str, n: int) -> np.ndarray | None:
         """`key`'s per-layer array of n entries, or None when absent or a scalar."""
         full = self.key(key)
-        raw = self.facts.metadata.get(full)
+        raw = self._lookup(full)
         if not isinstance(raw, np.ndarray):
             return None
         if raw.size != n:

@@ -2,7 +2,8 @@
 
 Source checks (alchemist/audit/checks.py: libcst, the module is not imported) -- what only the text shows:
 
-- provenance      header and PROVENANCE complete; sha256, size and IR hash match the GGUF / IR
+- provenance      header and PROVENANCE complete; sha256, size and IR hash match the GGUF, the given IR, or
+                  (neither given) the IR rebuilt from the module's own METADATA and TENSORS
 - syntax          parses; defines forward(), load_weights(), dequantize_tensor() and the contract's constants
 - format          black-clean with alchemist.codegen.BLACK_MODE
 - safety          allowlisted imports only; no eval/exec/open/getattr/dunders/import-time code; the file is
@@ -58,6 +59,43 @@ def _scrub(message: str, path: str) -> str:
     return message.replace(os.path.abspath(path), os.path.basename(path)).replace(path, os.path.basename(path))
 
 
+def ir_from_module(src) -> tuple[object | None, str | None]:
+    """(the IR rebuilt from a parsed module's METADATA, TENSORS, DATA_OFFSET and PROVENANCE, None) or (None, why
+    not). The module is not imported: its literals are read as data and the family validates them as it would a
+    GGUF file's header. A module whose IR hash then differs from its PROVENANCE fails the provenance check."""
+    from alchemist.arch import build_model_ir
+    from alchemist.arch.build import metadata_value
+    from alchemist.gguf_io.reader import GGUFFacts, TensorInfo
+
+    metadata, tensors = src.constant("METADATA"), src.constant("TENSORS")
+    prov, data_offset = src.constant("PROVENANCE"), src.constant("DATA_OFFSET")
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        return None, "METADATA is missing or not a literal dict of str keys"
+    if not isinstance(tensors, dict) or not isinstance(prov, dict) or not isinstance(data_offset, int):
+        return None, "TENSORS, PROVENANCE or DATA_OFFSET is missing or not a literal"
+    try:
+        infos = {
+            name: TensorInfo(name, ggml_type, tuple(reversed(shape)), offset, nbytes)
+            for name, (ggml_type, shape, offset, nbytes) in tensors.items()
+        }
+        facts = GGUFFacts(
+            path=str(prov["source_file"]),
+            file_size=prov["source_size"],
+            version=3,
+            alignment=32,
+            data_offset=data_offset,
+            metadata={k: metadata_value(v) for k, v in metadata.items()},
+            metadata_types={},
+            tensors=infos,
+            _sha256=prov["source_sha256"],
+        )
+        return build_model_ir(facts), None
+    except AlchemistError as e:
+        return None, str(e)
+    except (KeyError, TypeError, ValueError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
 def audit_module(module_path, gguf_path=None, ir=None) -> AuditReport:
     """Audit the generated module at module_path, against a GGUF file and/or a ModelIR when given."""
     from alchemist.audit.checks import SOURCE_CHECKS, Context
@@ -92,12 +130,17 @@ def audit_module(module_path, gguf_path=None, ir=None) -> AuditReport:
                 report.checks.append(CheckResult(name, False, "not checked: the module does not parse"))
         report.checks.sort(key=lambda c: CHECK_NAMES.index(c.name))
         return report
+    module_ir = module_ir_error = None
+    if ir is None and gguf_path is None:
+        module_ir, module_ir_error = ir_from_module(src)
     ctx = Context(
         src=src,
         facts=facts,
-        ir=ir if ir is not None else rebuilt,
+        ir=ir if ir is not None else rebuilt if rebuilt is not None else module_ir,
         rebuilt_ir=rebuilt,
         given_ir=ir,
+        module_ir=module_ir,
+        module_ir_error=module_ir_error,
         gguf_name=report.gguf,
         gguf_error=gguf_error,
     )

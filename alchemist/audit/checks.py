@@ -52,9 +52,11 @@ MAX_SHOWN = 3
 class Context:
     src: ModuleSource
     facts: object | None = None  # GGUFFacts
-    ir: object | None = None  # the ModelIR expectations come from (given, or rebuilt from the GGUF)
+    ir: object | None = None  # the ModelIR expectations come from (given, rebuilt from the GGUF, or the module's)
     rebuilt_ir: object | None = None
     given_ir: object | None = None
+    module_ir: object | None = None  # rebuilt from the module's own METADATA and TENSORS (no GGUF, no IR given)
+    module_ir_error: str | None = None
     gguf_name: str | None = None
     gguf_error: str | None = None
     safe: bool = False  # the safety check passed: the module may be imported for the graph checks
@@ -147,6 +149,16 @@ def check_provenance(ctx: Context) -> CheckResult:
             f.append("the given IR differs from the IR rebuilt from the GGUF")
         if ctx.rebuilt_ir is None:
             checked.append("ir_sha256 matches the given IR")
+    if ctx.module_ir_error:
+        f.append(f"the IR cannot be rebuilt from the module's METADATA and TENSORS: {ctx.module_ir_error}")
+    if ctx.module_ir is not None:
+        h = ctx.module_ir.ir_hash()
+        if prov.get("ir_sha256") != h:
+            f.append(
+                f"ir_sha256 {_short(prov.get('ir_sha256'))} != hash of the IR rebuilt from the module's METADATA "
+                f"and TENSORS {_short(h)}"
+            )
+        checked.append(f"ir_sha256 {_short(h)} matches the IR rebuilt from the module's METADATA and TENSORS")
     if not checked:
         checked.append("no GGUF given, so sha256/size/IR hash were not re-derived")
     return result("provenance", f, f"PROVENANCE complete ({prov.get('generator')}); " + "; ".join(checked))
@@ -168,11 +180,16 @@ def check_syntax(ctx: Context) -> CheckResult:
     f += [f"function {n}() is not defined at module level" for n in CONTRACT_FUNCTIONS if n not in src.functions]
     required = _required_constants(ctx)
     f += [f"constant {n} is not defined" for n in required if n not in src.assignments]
+    if "EXACT" not in src.assignments:
+        f.append("EXACT (the module's own Primitives, forward's default ops) is not defined")
+    forward = src.functions.get("forward")
+    if forward is not None and "ops" not in {p.name.value for p in (*forward.params.params, *forward.params.kwonly_params)}:
+        f.append("forward() takes no `ops` (the primitives its layers compute with)")
     return result(
         "syntax",
         f,
-        f"parses with libcst and ast; defines {', '.join(f'{n}()' for n in CONTRACT_FUNCTIONS)} and the "
-        f"{len(required)} constants of the contract"
+        f"parses with libcst and ast; defines {', '.join(f'{n}()' for n in CONTRACT_FUNCTIONS)} (forward taking "
+        f"`ops`), EXACT and the {len(required)} constants of the contract"
         + (" and of module_constants(IR)" if ctx.ir is not None else " (no IR given: configuration names unchecked)"),
     )
 
@@ -249,6 +266,20 @@ def _check_names(src: ModuleSource, node, where: str, f: list[str]) -> None:
                 f.append(f"`{src.code(n)}` ({q}) in {where}")
 
 
+def _bundles_functions(src: ModuleSource, value) -> bool:
+    """True for the one call a module makes at import time: alchemist.kernels.Primitives(name=function, ...),
+    a frozen dataclass of the module's own functions (its EXACT primitives), every argument a keyword naming
+    a function the module defines."""
+    return (
+        isinstance(value, cst.Call)
+        and src.qualname(value.func) == "alchemist.kernels.Primitives"
+        and all(
+            a.keyword is not None and isinstance(a.value, cst.Name) and a.value.value in src.functions
+            for a in value.args
+        )
+    )
+
+
 def check_safety(ctx: Context) -> CheckResult:
     src, f = ctx.src, []
     imported: set[str] = set()
@@ -277,6 +308,8 @@ def check_safety(ctx: Context) -> CheckResult:
             elif isinstance(small, cst.Assign) and all(isinstance(t.target, cst.Name) for t in small.targets):
                 names = [t.target.value for t in small.targets]
                 literal = all(n in src.constants for n in names)
+                if _bundles_functions(src, small.value):
+                    continue
                 why = None if literal else _runs_code(small.value)
                 if why:
                     f.append(f"top-level `{src.code(small)[:60]}` evaluates a {why} at import time")
@@ -298,8 +331,9 @@ def check_safety(ctx: Context) -> CheckResult:
         "safety",
         f,
         f"imports only {', '.join(sorted(imported))}; no eval/exec/compile/__import__/getattr/globals/os/subprocess, "
-        "no dunder access, no import-time code (literal constants, inert arithmetic on them, defs and imports "
-        f"only); the file is read only in load_weights; strings are plain literals",
+        "no dunder access, no import-time code (literal constants, inert arithmetic on them, defs, imports and "
+        "the Primitives bundle of the module's own functions only); the file is read only in load_weights; strings "
+        "are plain literals",
     )
 
 

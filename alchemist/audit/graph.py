@@ -683,6 +683,9 @@ def graph_audit(ctx: Context) -> GraphAudit:
     for quantized in (False, True) if kernel else (False,):
         g.builds.append(build_forward(module, tensors, kernel, shapes, quantized))
     context = ctx.ir.n_ctx_train if ctx.ir is not None else None
+    original = ctx.src.constant("ROPE_ORIG_CTX")
+    if context and isinstance(original, int) and not isinstance(original, bool):
+        context = max(context, original + 1)  # LongRoPE reads its long factors past the original context only
     if context and context > CAPACITY:
         long = build_forward(module, tensors, kernel, shapes, False, capacity=context)
         if long.error is None:

@@ -39,6 +39,20 @@ def dotted(node) -> str | None:
     return None
 
 
+
+MAX_REPEAT = 1 << 16  # a per-layer constant's count; far above any model's layer count
+
+
+def literal(node: ast.expr):
+    """ast.literal_eval, plus the one non-literal form the generator writes: a tuple of plain values times a
+    count, (0,) * 24 (codegen's py_constant)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and isinstance(node.left, ast.Tuple):
+        pattern, count = ast.literal_eval(node.left), ast.literal_eval(node.right)
+        if type(count) is not int or not 0 <= count <= MAX_REPEAT:
+            raise ValueError(f"a repeat count of {count!r}")
+        return pattern * count
+    return ast.literal_eval(node)
+
 @dataclass
 class ModuleSource:
     path_name: str
@@ -60,7 +74,7 @@ class ModuleSource:
         for node in tree.body:
             if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
                 try:
-                    value = ast.literal_eval(node.value)
+                    value = literal(node.value)
                 except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
                     value = NOT_LITERAL
                 for t in node.targets:

@@ -8,7 +8,6 @@ rendered with StrictUndefined, formatted with black and parsed back with libcst 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import math
 import re
@@ -46,6 +45,17 @@ def py_literal(value) -> str:
     raise TypeError(f"py_literal: refusing to emit a {type(value).__name__}")
 
 
+def py_constant(value) -> str:
+    """py_literal, except that a tuple of numbers repeating a pattern (a per-layer constant) is written as the
+    pattern times the count: (0,) * 24, (512, 512, 0) * 6."""
+    if isinstance(value, tuple) and len(value) > 1 and all(isinstance(v, (bool, int, float)) for v in value):
+        for period in range(1, len(value) // 2 + 1):
+            count, rest = divmod(len(value), period)
+            if not rest and value == value[:period] * count:
+                return f"{py_literal(value[:period])} * {count}"
+    return py_literal(value)
+
+
 def module_slug(source_file: str) -> str:
     """A safe module name from the GGUF file name: 'gemma-3-270m-q4_k_m.gguf' -> 'gemma_3_270m_q4_k_m'."""
     stem = source_file[:-5] if source_file.lower().endswith(".gguf") else source_file
@@ -65,6 +75,7 @@ def _environment() -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["py"] = py_literal
+    env.filters["py_constant"] = py_constant
     return env
 
 
@@ -331,6 +342,7 @@ def template_context(ir: ModelIR) -> dict:
         ir_hash=ir.ir_hash(),
         constants=_constant_rows(ir),
         norm_kinds=sorted({n.kind.value for n in norms if n is not None}),
+        primitives=_primitives(ir, style, sorted({n.kind.value for n in norms if n is not None})),
         activation=first.mlp.activation.value,
         act_fn=ACTIVATION_FUNCTIONS[first.mlp.activation],
         rope=style is not RopeStyle.NONE,
@@ -349,7 +361,23 @@ def template_context(ir: ModelIR) -> dict:
         embedding=ir.embedding,
         output=ir.output,
         tensors=ir.tensors,
+        metadata=ir.metadata,
     )
+
+
+def _primitives(ir: ModelIR, style: RopeStyle, norm_kinds: list[str]) -> list[str]:
+    """The fields of alchemist.kernels.Primitives the module defines (its EXACT bundle), in the dataclass's order."""
+    from dataclasses import fields
+
+    from alchemist.kernels.primitives import Primitives
+
+    defined = {"project", "causal_attention", ACTIVATION_FUNCTIONS[ir.layers[0].mlp.activation]}
+    defined |= {f"{kind}_norm" for kind in norm_kinds}
+    if ir.layers[0].mlp.router:
+        defined.add("project_experts")
+    if style is not RopeStyle.NONE:
+        defined |= {"rope_angles", "rope"}
+    return [f.name for f in fields(Primitives) if f.name in defined]
 
 
 ACTIVATION_FUNCTIONS = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu", Activation.SWIGLU_OAI: "swiglu_oai"}
@@ -380,11 +408,13 @@ def _remembered_text(subdir: str, key: str, make) -> str:
     return text
 
 
-@functools.lru_cache(maxsize=1)
 def _renderer_digest() -> str:
-    """sha256 over what turns an IR into source text: this module, the IR's classes, the templates, black."""
+    """sha256 over what turns an IR into source text: this module, the IR's classes, Primitives, the templates,
+    black. Read on every render (~1 ms), so a template edited while a process runs is never remembered under
+    the digest of its previous text."""
     digest = hashlib.sha256(f"{__version__}\0{black.__version__}\0{BLACK_MODE}".encode())
-    for path in [Path(__file__), Path(ir_module.__file__), *sorted(TEMPLATES_DIR.rglob("*"))]:
+    primitives = Path(__file__).parents[1] / "kernels" / "primitives.py"  # EXACT's fields and their order
+    for path in [Path(__file__), Path(ir_module.__file__), primitives, *sorted(TEMPLATES_DIR.rglob("*"))]:
         if path.is_file():
             digest.update(f"\0{path.name}\0".encode())
             digest.update(path.read_bytes())

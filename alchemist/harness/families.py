@@ -103,7 +103,6 @@ def validate_families(cases, backends, weight_types, workdir, n_generate: int = 
     from alchemist.harness.quantize import quantize_fixture
     from alchemist.harness.validate import load_for_validation, validate_backend
     from alchemist.runtime.backends import uses_quantized_kernels
-    from alchemist.runtime.engine import Engine
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +126,7 @@ def validate_families(cases, backends, weight_types, workdir, n_generate: int = 
                 key = (backend, wtype if kernels else "float32")
                 try:
                     if key not in engines:
-                        engines[key] = Engine(loaded.module, loaded.weights_for(backend, kernels), backend, CONTEXT)
+                        engines[key] = loaded.engine(backend, CONTEXT, kernels)
                     with LlamaCppOracle(str(path), n_ctx=CONTEXT, n_threads=1) as oracle:
                         res = validate_backend(
                             loaded, backend, oracle, PROMPT, n_generate, CONTEXT, engine=engines[key], quantized=kernels

@@ -79,8 +79,8 @@ def _fed_graph(engine, n_tokens: int):
     taps: dict = {}
     for il, (x, cache) in enumerate(zip(xs, caches)):
         args = (*cache, taps) if style == "kv" else (cache, taps)
-        module.block(engine.weights, il, x, positions, attend_len, *args)
-    module.head(engine.weights, x_head, None, taps)
+        module.block(engine.ops, engine.weights, il, x, positions, attend_len, *args)
+    module.head(engine.ops, engine.weights, x_head, None, taps)
     return start_pos, xs, x_head, caches, taps
 
 

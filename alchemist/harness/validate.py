@@ -26,7 +26,7 @@ from alchemist.errors import AlchemistError
 from alchemist.harness.metrics import compare_logits, first_divergence, greedy_agreement, nmse
 from alchemist.harness.oracle_build import arithmetic
 from alchemist.runtime.backends import uses_quantized_kernels
-from alchemist.runtime.numerics import numerics_of, resolve_numerics, with_numerics
+from alchemist.runtime.numerics import resolve_numerics
 
 THRESHOLDS = {
     "near_tie": 1e-3,  # oracle top-2 gap below which a prompt top-1 disagreement is a reported near-tie
@@ -50,12 +50,15 @@ def is_exact(ir) -> bool:
 class LoadedForValidation:
     path: str
     ir: object
-    module: object  # the generated module, or its numerics copy (alchemist.runtime.numerics)
-    _weights: dict = field(default_factory=dict)
+    module: object  # the generated module
+    numerics: str = "exact"  # what its engines compute with (alchemist.runtime.numerics)
+    _weights: dict = field(default_factory=dict)  # quantized (bool) -> load_weights(path, quantized=...)
 
-    @property
-    def numerics(self) -> str:
-        return numerics_of(self.module)  # quantized (bool) -> load_weights(path, quantized=...)
+    def engine(self, backend: str, capacity: int, quantized: bool | None = None):
+        """An Engine of this module on `backend` computing with this file's numerics (weights as weights_for)."""
+        from alchemist.runtime.engine import Engine
+
+        return Engine(self.module, self.weights_for(backend, quantized), backend, capacity, numerics=self.numerics)
 
     def weights_for(self, backend: str, quantized: bool | None = None) -> dict:
         """The weights as `backend` runs them with this module's numerics: GGUF blocks where kernels multiply them
@@ -81,7 +84,7 @@ def load_for_validation(
     numerics = resolve_numerics(None if llamacpp_rounding else numerics, llamacpp_rounding)
     ir = build_model_ir(read_gguf(path))
     module = import_generated(write_generated(ir, generated_dir or generated_cache_dir()))
-    return LoadedForValidation(str(path), ir, with_numerics(module, numerics))
+    return LoadedForValidation(str(path), ir, module, numerics)
 
 
 def _greedy(engine, prompt: list[int], n: int, rows: list | None = None) -> list[int]:
@@ -158,12 +161,11 @@ def validate_backend(
     `loaded.weights_for(backend)`, which must have the same names, dtypes and shapes (e.g. the same fixture
     at another weight type that the backend also runs as float32). With exact weights every layer's output is
     compared too (one more compiled function, which returns every intermediate) unless `layers` is False."""
-    from alchemist.runtime.engine import Engine
 
     exact = is_exact(loaded.ir)
     t0 = time.perf_counter()
     if engine is None:
-        engine = Engine(loaded.module, loaded.weights_for(backend, quantized), backend, context)
+        engine = loaded.engine(backend, context, quantized)
     else:
         _check_shared_engine(engine, loaded)
         engine.set_weights(loaded.weights_for(backend, quantized))
@@ -239,7 +241,7 @@ def validate_backend(
 def _check_shared_engine(engine, loaded: LoadedForValidation) -> None:
     """An engine passed to validate_backend must compute with `loaded`'s numerics: "ggml" rounds by the weight
     types of its own file, so its engine cannot be reused for a file of other weight types."""
-    ours, theirs = numerics_of(engine.module), loaded.numerics
+    ours, theirs = engine.numerics, loaded.numerics
 
     def types(module) -> dict:
         return {name: spec[0] for name, spec in module.TENSORS.items()}
@@ -261,7 +263,6 @@ def attribute_to_rounding(
     passes the bar. The evidence: every layer output (l_out-N) of the prompt, NMSE against llama.cpp's with
     both numerics, and the first layer where exact exceeds exact_nmse.
     """
-    from alchemist.runtime.engine import Engine
 
     exact_loaded = load_for_validation(path, numerics="exact")
     ggml_loaded = load_for_validation(path, numerics="ggml")
@@ -269,7 +270,7 @@ def attribute_to_rounding(
     size = max(context, len(prompt) + 1)
     ours = {}
     for loaded in (exact_loaded, ggml_loaded):
-        engine = Engine(loaded.module, loaded.weights_for(backend, quantized), backend, size)
+        engine = loaded.engine(backend, size, quantized)
         ours[loaded.numerics] = tap_values(engine, prompt)
     order, theirs = oracle.shared_intermediates(prompt, ours["exact"])
     names = [n for n in order if n.startswith("l_out-")] or order  # the layer outputs (else every shared tensor)
@@ -489,13 +490,12 @@ def diff_model(
     before it (alchemist.harness.fed.op_fed_function): which op makes the first non-identical value."""
     from alchemist.harness.fed import FED_TOL, INPUT_NAMES, compare_fed, fed_taps
     from alchemist.harness.oracle import LlamaCppOracle
-    from alchemist.runtime.engine import Engine
 
     numerics = resolve_numerics(numerics, llamacpp_rounding)
     loaded = load_for_validation(path, numerics=numerics)
     exact = is_exact(loaded.ir)
     tol = tol if tol is not None else (THRESHOLDS["exact_nmse"] if exact else DIFF_QUANTIZED_TOL)
-    engine = Engine(loaded.module, loaded.weights_for(backend), backend, max(context, len(prompt) + 1))
+    engine = loaded.engine(backend, max(context, len(prompt) + 1))
     t0 = time.perf_counter()
     ours = tap_values(engine, prompt)
     seconds = time.perf_counter() - t0

@@ -58,6 +58,7 @@ import numpy as np
 
 from alchemist.kernels.formats import BLOCK_SIZES, SUPPORTED_TYPES, block_size, dequantize_rows, row_bytes
 from alchemist.kernels.gelu import gelu_table
+from alchemist.kernels.primitives import Primitives
 from alchemist.kernels.op import (
     QuantizedEmbedding,
     QuantizedExpertMatmul,
@@ -68,6 +69,7 @@ from alchemist.kernels.op import (
 
 __all__ = [
     "BLOCK_SIZES",
+    "Primitives",
     "SUPPORTED_TYPES",
     "QuantizedEmbedding",
     "QuantizedExpertMatmul",

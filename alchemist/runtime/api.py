@@ -22,7 +22,7 @@ from alchemist.ir import ModelIR
 from alchemist.paths import cache_subdir
 from alchemist.runtime.backends import blas_info, check_weights, require_backend
 from alchemist.runtime.numerics import DEFAULT as DEFAULT_NUMERICS
-from alchemist.runtime.numerics import check_numerics, with_numerics
+from alchemist.runtime.numerics import check_numerics
 from alchemist.runtime.sampling import Sampler, SamplingParams
 from alchemist.serve.text import TextStream
 
@@ -54,8 +54,8 @@ class LoadedModel:
     backend: str
     ir: ModelIR
     module_path: Path
-    module: object  # the generated module as written ("exact" numerics: what alchemist.symbolic differentiates)
-    engine: object  # computes with `numerics` (engine.module: the module, or its numerics copy)
+    module: object  # the generated module (its EXACT primitives: what alchemist.symbolic differentiates)
+    engine: object  # runs module.forward with the primitives of `numerics` (engine.ops)
     tokenizer: object | None
     load_seconds: float
     weights_seconds: float
@@ -218,7 +218,7 @@ def load_llm(
         tensors = module.load_weights(path, quantized=quantized)
     weights_seconds = time.perf_counter() - t_w
     capacity = max(1, min(int(context), ir.n_ctx_train))
-    engine = Engine(with_numerics(module, numerics), tensors, backend, capacity)
+    engine = Engine(module, tensors, backend, capacity, numerics=numerics)
     del tensors
     if progress:  # a bar while a step function compiles: rewriting, then C modules linked / total
         from alchemist.pytensor_ext.compile_progress import TqdmProgress

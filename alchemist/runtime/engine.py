@@ -27,6 +27,7 @@ from alchemist.pytensor_ext import compile_progress, parallel_build, pytensor_in
 from alchemist.pytensor_ext.host import activated, one_blas_thread
 from alchemist.runtime import graph_cache
 from alchemist.runtime.backends import get_mode, static_shapes
+from alchemist.runtime.numerics import primitives
 
 PREFILL_BUCKETS = (8, 32, 128, 512)
 SHORT_PROMPT = 8  # up to this many tokens, a prompt may go through the decode function (Engine._decode_is_quicker)
@@ -46,8 +47,8 @@ def import_generated(path: str | Path, name_suffix: str = "") -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    # what the module held when imported: a step graph is cached only while nothing has been replaced
-    # (a patched function, e.g. alchemist.harness.emulate's rounding `project`, builds a different graph)
+    # what the module held when imported: a step graph is cached only while nothing has been replaced (a
+    # user's rebinding of one of its functions builds a different graph than its source says)
     module.__dict__[_AS_IMPORTED] = dict(vars(module))
     module.__dict__[_SOURCE_SHA256] = hashlib.sha256(path.read_bytes()).hexdigest()
     return module
@@ -145,10 +146,15 @@ def load_or_compile(stats, t0: float, cache_key: str | None, shared: dict, mode,
 
 
 class Engine:
-    """Runs a generated module's `forward` on one backend with a persistent KV cache."""
+    """Runs a generated module's `forward` on one backend with a persistent KV cache, its primitives those of
+    `numerics` (alchemist.runtime.numerics: "exact", the module's EXACT; "ggml", llama.cpp's loops)."""
 
-    def __init__(self, module: ModuleType, weights: dict[str, np.ndarray], backend: str, capacity: int):
+    def __init__(
+        self, module: ModuleType, weights: dict[str, np.ndarray], backend: str, capacity: int, numerics: str = "exact"
+    ):
         self.module = module
+        self.numerics = numerics
+        self.ops = primitives(module, numerics)
         self.backend = backend
         self.mode = get_mode(backend)
         if backend == "c":
@@ -229,6 +235,7 @@ class Engine:
             attend_len=self.capacity if self.static else None,
             output_rows=rows,
             taps=taps,
+            ops=self.ops,
         )
         if not self.static:
             logits, new_cache = self._cache_writes_as_slices(logits, new_cache, start_pos, n_tokens)
@@ -343,7 +350,13 @@ class Engine:
             from alchemist.kernels import register_numba
 
             register_numba()
-        spec = {"n_tokens": n_tokens, "all_logits": all_logits, "capacity": self.capacity, "static": self.static}
+        spec = {
+            "n_tokens": n_tokens,
+            "all_logits": all_logits,
+            "capacity": self.capacity,
+            "static": self.static,
+            "numerics": self.numerics,
+        }
         if taps:
             spec["taps"] = True
         source_sha256 = getattr(self.module, _SOURCE_SHA256)

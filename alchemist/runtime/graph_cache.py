@@ -58,7 +58,7 @@ _GRAPH_SOURCES = (
     "runtime/backends.py",
     "runtime/rewrites.py",
     "runtime/graph_cache.py",
-    "runtime/numerics.py",  # the "ggml" numerics copy's roundings
+    "runtime/numerics.py",  # the "ggml" primitives' roundings
 )
 
 

@@ -20,25 +20,26 @@
   These are the loops of ggml-cpu compiled for AVX2 + FMA + F16C without AVX-512, the build the oracle is pinned to;
   an AVX-512 or ARM build orders them otherwise (alchemist.harness.oracle_build names both in every report).
 
-Generated modules never change: `with_numerics(module, "ggml")` returns a fresh copy of the module whose
-kernels, project(), gelu(), silu(), rms_norm(), rope_angles()/rope() and causal_attention() compute that way: the kernels
-with numerics="ggml" for weights in GGUF blocks, alchemist.kernels.graph_rounding before the float32 product for
-weights held as float32 (F16/F32 tensors; every weight when asked for weights="float32"), alchemist.kernels.gelu's table
-GELU, alchemist.kernels.silu's SiLU, alchemist.kernels.rms_norm's norm, alchemist.kernels.rope's RoPE and alchemist.kernels.attention's
-attention. The copy is re-snapshotted under a source hash of its own, so its step graphs go to (and load from) the
-on-disk graph cache like the exact module's, under other keys.
+A generated module's layers call their primitives through `ops`; `primitives(module, numerics)` is the bundle
+to pass: the module's own EXACT for "exact"; for "ggml" the same bundle with llama.cpp's loops in place of its
+formulas: project() through the kernels with numerics="ggml" for weights in GGUF blocks, or
+alchemist.kernels.graph_rounding before the float32 product for weights held as float32 (F16/F32 tensors; every
+weight when asked for weights="float32"), alchemist.kernels.gelu's table GELU, alchemist.kernels.silu's SiLU,
+alchemist.kernels.rms_norm's norm, alchemist.kernels.rope's RoPE and alchemist.kernels.attention's attention.
+The module itself is never changed.
 """
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
+import dataclasses
 from types import ModuleType
 
 import numpy as np
 import pytensor.tensor as pt
 
 from alchemist.errors import AlchemistError
+from alchemist.kernels import quantized_expert_linear, quantized_linear
+from alchemist.kernels.primitives import Primitives
 from alchemist.kernels.attention import ggml_causal_attention
 from alchemist.kernels.rms_norm import rms_norm_ggml
 from alchemist.kernels.rope import ggml_rope_functions
@@ -57,8 +58,6 @@ from alchemist.kernels.graph_rounding import (  # noqa: F401 (_mul_f32, _div_f32
 NUMERICS = ("ggml", "exact")
 DEFAULT = "ggml"
 
-_NUMERICS_ATTR = "_alchemist_numerics"
-
 
 def check_numerics(numerics: str) -> str:
     """`numerics` itself, or an AlchemistError naming it and the choices."""
@@ -75,11 +74,6 @@ def resolve_numerics(numerics: str | None, llamacpp_rounding: bool = False) -> s
             raise AlchemistError(f"--llamacpp-rounding means --numerics ggml; it contradicts numerics={numerics!r}")
         return "ggml"
     return check_numerics(DEFAULT if numerics is None else numerics)
-
-
-def numerics_of(module: ModuleType) -> str:
-    """The numerics a (possibly with_numerics-copied) generated module computes with."""
-    return getattr(module, _NUMERICS_ATTR, "exact")
 
 
 # -- llama.cpp's roundings, as PyTensor expressions (the kernels' own, alchemist.kernels.graph_rounding / gelu) --
@@ -106,70 +100,43 @@ def ggml_rms_norm(eps):
     return rms_norm
 
 
-# -- the ggml copy of a generated module ------------------------------------------------------------------
-def ggml_kernels(quantized_linear, quantized_expert_linear=None):
-    """(linear, expert_linear): the generated module's kernels, called with numerics="ggml"."""
-
-    def linear(x, w_blocks, ggml_type, n_out, n_in):
-        return quantized_linear(x, w_blocks, ggml_type, n_out, n_in, numerics="ggml")
-
-    def expert_linear(x, w_blocks, ids, ggml_type, n_expert, n_out, n_in):
-        return quantized_expert_linear(x, w_blocks, ids, ggml_type, n_expert, n_out, n_in, numerics="ggml")
-
-    return linear, (expert_linear if quantized_expert_linear is not None else None)
-
-
-def with_numerics(module: ModuleType, numerics: str = DEFAULT) -> ModuleType:
-    """`module` computing with `numerics`: the module itself for "exact"; for "ggml" a fresh copy of it (see the
-    module docstring) that the graph cache treats as a module of its own."""
-    from alchemist.runtime.engine import _AS_IMPORTED, _SOURCE_SHA256, import_generated
-
-    if check_numerics(numerics) == "exact" or numerics_of(module) == numerics:
-        return module
-    if numerics_of(module) != "exact":
-        raise AlchemistError(f"with_numerics: {module.__name__} already computes with numerics={numerics_of(module)!r}")
-    copy = import_generated(module.__file__, name_suffix=f"_{numerics}")
-    tensors = copy.TENSORS
-    linear, expert_linear = ggml_kernels(copy.quantized_linear, getattr(copy, "quantized_expert_linear", None))
-    copy.quantized_linear = linear
-    if expert_linear is not None:
-        copy.quantized_expert_linear = expert_linear
-
-    # a weight held as float32 (F16/F32 tensors; every tensor with weights="float32") goes through linear(): its input is
-    # rounded here; GGUF blocks (uint8) go to the kernel above, which rounds its own input
-    exact_project = copy.project
+# -- the ggml bundle of a generated module's primitives ---------------------------------------------------
+def primitives(module: ModuleType, numerics: str = DEFAULT) -> Primitives:
+    """The primitives `module`'s forward() computes with under `numerics` (its `ops` argument)."""
+    exact = module.EXACT
+    if check_numerics(numerics) == "exact":
+        return exact
+    tensors, linear = module.TENSORS, module.linear
 
     def project(x, w, name, bias=None):
-        if w[name].dtype != "uint8":
-            x = round_activations(x, tensors[name][0])
-        return exact_project(x, w, name, bias)
+        weight = w[name]
+        ggml_type, shape = tensors[name][0], tensors[name][1]
+        if weight.dtype == "uint8":  # GGUF blocks: the kernel rounds its own input
+            y = quantized_linear(x, weight, ggml_type, *shape, numerics="ggml")
+            return y if bias is None else y + bias
+        return linear(round_activations(x, ggml_type), weight, bias)
 
-    copy.project = project
-    if hasattr(copy, "project_experts"):
-        exact_project_experts = copy.project_experts
+    def project_experts(x, w, name, experts, bias=None):
+        weight = w[name]
+        if weight.dtype == "uint8":
+            ggml_type, shape = tensors[name][0], tensors[name][1]
+            y = quantized_expert_linear(x, weight, experts, ggml_type, *shape, numerics="ggml")
+            return y if bias is None else y + bias[experts]
+        return exact.project_experts(round_activations(x, tensors[name][0]), w, name, experts, bias)
 
-        def project_experts(x, w, name, experts, bias=None):
-            if w[name].dtype != "uint8":
-                x = round_activations(x, tensors[name][0])
-            return exact_project_experts(x, w, name, experts, bias)
-
-        copy.project_experts = project_experts
-    if hasattr(copy, "rms_norm"):
-        copy.rms_norm = ggml_rms_norm(np.float32(copy.NORM_EPS))
-    if hasattr(copy, "gelu"):
-        copy.gelu = gelu_table  # ggml's fp16 table: a C op on C, the same values as PyTensor ops elsewhere
-    if hasattr(copy, "silu"):
-        copy.silu = silu_ggml  # ggml_v_silu's lanes and scalar tail: a C op on C, x * sigmoid(x) elsewhere
-    rope = ggml_rope_functions(copy) if hasattr(copy, "rope") else None
-    if rope is not None:  # ggml's cos/sin cache and its fused rotation (alchemist.kernels.rope)
-        copy.rope_angles, copy.rope = rope
-    if hasattr(copy, "causal_attention"):
-        # ggml's attention (vec_dot scores, v_expf softmax, sgemm/vec_dot kqv): a C op on C, the formula elsewhere
-        copy.causal_attention = ggml_causal_attention(copy) or copy.causal_attention
-    copy.__dict__[_NUMERICS_ATTR] = numerics
-    # re-snapshot: the patched copy is "as imported" for the graph cache, under a hash that is not the exact
-    # module's (the rounding code itself is hashed with alchemist's sources, runtime/numerics.py)
-    source = Path(copy.__file__).read_bytes()
-    copy.__dict__[_SOURCE_SHA256] = hashlib.sha256(source + f"numerics={numerics}".encode()).hexdigest()
-    copy.__dict__[_AS_IMPORTED] = {k: v for k, v in vars(copy).items() if k != _AS_IMPORTED}
-    return copy
+    ggml = dict(project=project, rms_norm=ggml_rms_norm(np.float32(module.NORM_EPS)))
+    if exact.project_experts is not None:
+        ggml["project_experts"] = project_experts
+    if exact.gelu is not None:
+        ggml["gelu"] = gelu_table  # ggml's fp16 table: a C op on C, the same values as PyTensor ops elsewhere
+    if exact.silu is not None:
+        ggml["silu"] = silu_ggml  # ggml_v_silu's lanes and scalar tail: a C op on C, x * sigmoid(x) elsewhere
+    if exact.rope is not None:
+        rope = ggml_rope_functions(module)  # ggml's cos/sin cache and its fused rotation (alchemist.kernels.rope)
+        if rope is not None:
+            ggml["rope_angles"], ggml["rope"] = rope
+    # ggml's attention (vec_dot scores, v_expf softmax, sgemm/vec_dot kqv): a C op on C, the formula elsewhere
+    ggml["causal_attention"] = ggml_causal_attention(module) or exact.causal_attention
+    if exact.rms_norm is None:
+        del ggml["rms_norm"]
+    return dataclasses.replace(exact, **ggml)

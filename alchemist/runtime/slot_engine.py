@@ -146,7 +146,7 @@ class SlotEngine:
         # decode: the logits of the real rows only (padding rows come last); prefill: of its last real token
         rows = pt.arange(n_valid) if n_tokens == 1 else (n_valid - 1)[None]
         logits, new_cache = self.module.forward_slots(
-            self.engine.weights, tokens, positions, slots, self.cache, attend_len, output_rows=rows
+            self.engine.weights, tokens, positions, slots, self.cache, attend_len, output_rows=rows, ops=self.engine.ops
         )
         if self.engine.backend == "c":
             logits, new_cache = self._cache_writes_flat(logits, new_cache)
@@ -232,6 +232,7 @@ class SlotEngine:
             "chunk": self.chunk,
             "capacity": self.capacity,
             "static": self.engine.static,
+            "numerics": self.engine.numerics,
         }
         return graph_cache.step_key(
             getattr(self.module, _SOURCE_SHA256), self.engine.backend, self.engine.mode, shared, spec

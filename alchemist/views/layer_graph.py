@@ -111,7 +111,7 @@ def build_layer_graph(model: str, layer: int, backend: str = "c", n_tokens: int 
         pt.tensor(f"{kv}_cache.{layer}", dtype="float32", shape=(capacity, att.n_kv_head, att.head_dim)) for kv in "kv"
     ]
     with pytensor.config.change_flags(traceback__limit=0):
-        out, k_new, v_new = module.block(weights, layer, x, positions, attend, *cache, None)
+        out, k_new, v_new = module.block(module.EXACT, weights, layer, x, positions, attend, *cache, None)
         if not static_shapes(backend):  # the cache writes as the Engine compiles them
             out, [(k_new, v_new)] = Engine._cache_writes_as_slices(out, [(k_new, v_new)], start_pos, n_tokens)
     return LayerGraph(
