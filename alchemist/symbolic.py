@@ -53,8 +53,8 @@ def _forward(model, tokens, output_rows=None):
     from alchemist.runtime.engine import layer_caches
 
     cache = [tuple(pt.zeros((n, *row), dtype="float32") for _, row in layer) for layer in layer_caches(module)]
-    start = pt.constant(np.int64(0), name="start_pos")
-    logits, _ = module.forward(model.engine.weights, tokens, start, cache, output_rows=output_rows)
+    positions = pt.constant(np.arange(n, dtype=np.int64), name="positions")
+    logits, _ = module.forward(model.engine.weights, tokens, positions, cache, attend_len=n, output_rows=output_rows)
     return logits
 
 

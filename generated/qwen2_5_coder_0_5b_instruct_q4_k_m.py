@@ -10,8 +10,8 @@ the end of them); then the weight inventory and its loader. A weight W is stored
 shape (n_out, n_in), and applied as x @ W.T. load_weights(path) gives every weight as float32;
 load_weights(path, quantized=True) keeps the KERNEL_WEIGHTS in their GGUF blocks (uint8, one row of blocks
 per output) and the graph multiplies those with the kernels. The KV cache of a layer is a pair of (capacity, N_KV_HEAD, HEAD_DIM)
-float32 tensors indexed by position; forward_slots runs several sequences in one step (serving), each in a
-slot of (SLOTS, ROWS, N_KV_HEAD, HEAD_DIM) caches.
+float32 tensors indexed by position; forward(..., slots=) runs several sequences in one step (serving), each in
+a slot of (SLOTS, ROWS, N_KV_HEAD, HEAD_DIM) caches (cache_step).
 """
 
 import numpy as np
@@ -161,14 +161,31 @@ EXACT = Primitives(
 # ---------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------
-def attention(ops, w, il: int, x, positions, attend_len, k_cache, v_cache, taps, slots=None):
-    """Self-attention of layer il; writes this step's keys/values into the cache at `positions`.
+def cache_step(cache, rows, positions, attend_len, slots=None):
+    """Write this step's rows into a cache and read back what attention sees: (the new cache, the rows read
+    (B, S, ...), their positions (B, S), the step's positions (B, T)); a negative position marks a row that holds
+    nothing of that sequence yet.
 
-    One sequence (slots None): positions (T,), caches (capacity, N_KV_HEAD, HEAD_DIM), row p holds position p,
-    and attention reads the first attend_len rows. B sequences of T tokens (the serving step): positions (B, T),
-    sequence b in cache slot slots[b] of caches (SLOTS, ROWS, N_KV_HEAD, HEAD_DIM), position p in row p % ROWS
-    (a ring when ROWS is below the context: a sliding-window layer keeps only its window and a chunk).
+    One sequence (slots None): cache (capacity, ...), position p in row p; attention reads the first attend_len
+    rows. B sequences of T tokens: sequence b in slot slots[b] of a cache (SLOTS, ROWS, ...), position p in row
+    p % ROWS (a ring when ROWS is below the context: a sliding-window layer keeps only its window and a chunk).
     """
+    if slots is None:
+        cache = pt.set_subtensor(cache[positions], rows)
+        return cache, cache[None, :attend_len], pt.arange(attend_len, dtype="int64")[None, :], positions[None, :]
+    n_seq, n_per_seq = positions.type.shape
+    ring = cache.type.shape[1]
+    cache = pt.set_subtensor(
+        cache[slots[:, None], positions % ring], rows.reshape((n_seq, n_per_seq, *rows.type.shape[1:]))
+    )
+    n_keys = min(attend_len, ring) if isinstance(attend_len, int) else pt.minimum(attend_len, ring)
+    # the position row r holds: the latest p <= the sequence's last with p = r (mod ROWS); + ring: no negative %
+    last = positions[:, -1:]
+    return cache, cache[:, :n_keys][slots], last - (last - pt.arange(n_keys, dtype="int64") + ring) % ring, positions
+
+
+def attention(ops, w, il: int, x, positions, attend_len, k_cache, v_cache, taps, slots=None):
+    """Self-attention of layer il; writes this step's keys/values into its caches (cache_step)."""
     p = f"blk.{il}."
     n_tokens = x.type.shape[0]
     q = ops.project(x, w, p + "attn_q.weight", w[p + "attn_q.bias"])
@@ -177,30 +194,15 @@ def attention(ops, w, il: int, x, positions, attend_len, k_cache, v_cache, taps,
     q = q.reshape((n_tokens, N_HEAD, HEAD_DIM))
     k = k.reshape((n_tokens, N_KV_HEAD, HEAD_DIM))
     v = v.reshape((n_tokens, N_KV_HEAD, HEAD_DIM))
-    token_positions = positions if slots is None else positions.reshape((-1,))
+    token_positions = positions.reshape((-1,))  # (B*T,) in the serving step
     angles = ops.rope_angles(w, il, token_positions)
     q = ops.rope(q, angles)
     k = ops.rope(k, angles)
     tap(taps, "Qcur", il, q)
     tap(taps, "Kcur", il, k)
     tap(taps, "Vcur", il, v)
-    if slots is None:  # one sequence: position p in cache row p
-        k_cache = pt.set_subtensor(k_cache[positions], k)
-        v_cache = pt.set_subtensor(v_cache[positions], v)
-        keys, values = k_cache[None, :attend_len], v_cache[None, :attend_len]
-        q_positions, key_positions = positions[None, :], pt.arange(attend_len, dtype="int64")[None, :]
-    else:  # sequence b in slot slots[b], position p in row p % ROWS
-        n_seq, n_per_seq = positions.type.shape
-        ring = k_cache.type.shape[1]
-        rows = positions % ring
-        k_cache = pt.set_subtensor(k_cache[slots[:, None], rows], k.reshape((n_seq, n_per_seq, N_KV_HEAD, HEAD_DIM)))
-        v_cache = pt.set_subtensor(v_cache[slots[:, None], rows], v.reshape((n_seq, n_per_seq, N_KV_HEAD, HEAD_DIM)))
-        n_keys = min(attend_len, ring) if isinstance(attend_len, int) else pt.minimum(attend_len, ring)
-        keys, values = k_cache[:, :n_keys][slots], v_cache[:, :n_keys][slots]  # slice, then take the slots
-        # the position row r holds: the latest p <= the sequence's last with p = r (mod ROWS); negative: none yet
-        last = positions[:, -1:]
-        q_positions = positions
-        key_positions = last - (last - pt.arange(n_keys, dtype="int64") + ring) % ring  # + ring: no negative %
+    k_cache, keys, key_positions, q_positions = cache_step(k_cache, k, positions, attend_len, slots)
+    v_cache, values, _, _ = cache_step(v_cache, v, positions, attend_len, slots)
     out = ops.causal_attention(q, keys, values, q_positions, key_positions, SLIDING_WINDOW[il])
     tap(taps, "kqv_out", il, out)
     return ops.project(out, w, p + "attn_output.weight"), k_cache, v_cache
@@ -237,45 +239,28 @@ def tap(taps, name: str, il: int, value):
         taps[name if il < 0 else f"{name}-{il}"] = value
 
 
-def forward(w, tokens, start_pos, kv_cache, attend_len=None, output_rows=None, taps=None, ops=EXACT):
-    """Logits for `tokens` at positions start_pos, start_pos+1, ..., and the updated KV cache.
+def forward(w, tokens, positions, kv_cache, attend_len=None, output_rows=None, taps=None, ops=EXACT, slots=None):
+    """Logits for `tokens` at `positions`, and the updated caches.
 
-    w: tensor name -> symbolic weight (shared variables from load_weights: float32, or uint8 GGUF blocks);
-    tokens: int64 vector of static length T; start_pos: int64 scalar;
-    kv_cache: per layer (k, v), each (capacity, N_KV_HEAD, HEAD_DIM).
-    attend_len: how many cache rows attention reads (default start_pos + T; pass the capacity for static shapes).
-    output_rows: row indices of the tokens whose logits are wanted (default: all).
+    w: tensor name -> symbolic weight (shared variables from load_weights: float32, or uint8 GGUF blocks).
+    One sequence (slots None): tokens, positions int64 (T,) of static length; each cache (capacity, ...), position
+    p in row p. Several (the serving step): tokens, positions (B, T), sequence b in slot slots[b] (B distinct
+    int64) of caches (SLOTS, ROWS, ...), position p in row p % ROWS (see cache_step).
+    kv_cache: per layer (k, v), rows (N_KV_HEAD, HEAD_DIM).
+    attend_len: how many cache rows attention reads, at least the last position + 1 (default: just that; pass
+    the capacity for static shapes).
+    output_rows: indices of the rows (sequence-major) whose logits are wanted (default: all).
     taps: optional dict that receives named intermediates (llama.cpp's names) for layer-by-layer checks.
     ops: the primitives every layer computes with (EXACT: this file's formulas; see EXACT).
     """
-    n_tokens = tokens.type.shape[0]
-    positions = start_pos + pt.arange(n_tokens, dtype="int64")
     if attend_len is None:
-        attend_len = start_pos + n_tokens
-    x = embed(w, "token_embd.weight", tokens)
-    new_cache = []
-    for il in range(N_LAYER):
-        x, k_cache, v_cache = block(ops, w, il, x, positions, attend_len, *kv_cache[il], taps)
-        new_cache.append((k_cache, v_cache))
-    return head(ops, w, x, output_rows, taps), new_cache
-
-
-def forward_slots(w, tokens, positions, slots, kv_cache, attend_len, output_rows=None, ops=EXACT):
-    """Logits of B sequences of T tokens each, every sequence in its own slot of the KV cache (serving).
-
-    tokens, positions: int64 (B, T) of static shape, the tokens of sequence b at positions[b];
-    slots: int64 (B,), the cache slot of each sequence (distinct);
-    kv_cache: per layer (k, v), each (SLOTS, ROWS, N_KV_HEAD, HEAD_DIM); position p of a slot is in row p % ROWS.
-    attend_len: how many rows attention reads, at least max(positions) + 1 (capped at each layer's ROWS).
-    output_rows: indices into the B*T rows (sequence-major) whose logits are wanted (default: all).
-    ops: as forward's.
-    """
+        attend_len = pt.max(positions) + 1
     x = embed(w, "token_embd.weight", tokens.reshape((-1,)))
     new_cache = []
     for il in range(N_LAYER):
-        x, k_cache, v_cache = block(ops, w, il, x, positions, attend_len, *kv_cache[il], None, slots)
+        x, k_cache, v_cache = block(ops, w, il, x, positions, attend_len, *kv_cache[il], taps, slots)
         new_cache.append((k_cache, v_cache))
-    return head(ops, w, x, output_rows, None), new_cache
+    return head(ops, w, x, output_rows, taps), new_cache
 
 
 def head(ops, w, x, output_rows, taps):

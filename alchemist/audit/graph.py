@@ -78,14 +78,14 @@ def build_forward(
         else:
             b.weights[name] = pt.tensor(name, dtype="float32", shape=shape)
     tokens = pt.tensor("tokens", dtype="int64", shape=(N_TOKENS,))
-    start_pos = pt.scalar("start_pos", dtype="int64")
+    positions = pt.scalar("start_pos", dtype="int64") + pt.arange(N_TOKENS, dtype="int64")
     cache = [
         tuple(pt.tensor(f"{kind}_cache.{il}", dtype="float32", shape=(capacity, *row)) for kind, row in layer)
         for il, layer in enumerate(cache_shapes)
     ]
     try:
         with pytensor.config.change_flags(traceback__limit=0):  # no stack walk for every node: 3x faster
-            logits, new_cache = module.forward(dict(b.weights), tokens, start_pos, cache, attend_len=capacity)
+            logits, new_cache = module.forward(dict(b.weights), tokens, positions, cache, attend_len=capacity)
         b.outputs = [logits] + [t for caches in new_cache for t in caches]
         b.outputs = [pt.as_tensor_variable(o) for o in b.outputs]
     except KeyError as e:

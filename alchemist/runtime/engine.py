@@ -221,6 +221,7 @@ class Engine:
     def _build(self, n_tokens: int, all_logits: bool, taps: dict | None = None):
         tokens = pt.tensor("tokens", dtype="int64", shape=(n_tokens,))
         start_pos = pt.scalar("start_pos", dtype="int64")
+        positions = start_pos + pt.arange(n_tokens, dtype="int64")
         n_valid = pt.scalar("n_valid", dtype="int64")
         if all_logits:
             # static-shape backends cannot build arange(n_valid): return every row, sliced in run()
@@ -230,9 +231,9 @@ class Engine:
         logits, new_cache = self.module.forward(
             self.weights,
             tokens,
-            start_pos,
+            positions,
             self.cache,
-            attend_len=self.capacity if self.static else None,
+            attend_len=self.capacity if self.static else start_pos + n_tokens,
             output_rows=rows,
             taps=taps,
             ops=self.ops,
