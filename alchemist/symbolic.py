@@ -25,6 +25,7 @@ import pytensor.tensor as pt
 from pytensor.graph.basic import Variable
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors
+from pytensor.tensor.shape import Reshape
 
 from alchemist.errors import AlchemistError
 from alchemist.kernels import QuantizedEmbedding
@@ -66,9 +67,14 @@ def input_embeddings(model, logits: Variable, tokens: Variable) -> Variable:
     embedding kernel (the tied output projection reads the same table through a matmul, never by tokens).
     """
     table = model.engine.weights[model.ir.embedding.weight]
+
+    def reads_tokens(var) -> bool:  # the tokens themselves, or forward()'s tokens.reshape((-1,)) of them
+        owner = var.owner
+        return var is tokens or (owner is not None and isinstance(owner.op, Reshape) and owner.inputs[0] is tokens)
+
     for var in ancestors([logits]):
         node = var.owner
-        if node is None or table not in node.inputs or tokens not in node.inputs:
+        if node is None or table not in node.inputs or not any(reads_tokens(v) for v in node.inputs):
             continue
         if isinstance(node.op, QuantizedEmbedding) or node.inputs[0] is table:
             return node.outputs[0]

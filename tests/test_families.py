@@ -59,7 +59,7 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     for case, src in sources.items():
         assert "gemma" not in src.split("# The model")[1].split("# Weights")[0].lower() or case.startswith("gemma")
     assert "def layer_norm(" in sources["gpt2"] and "def rms_norm(" not in sources["gpt2"]
-    assert 'embed(w, "position_embd.weight", positions)' in sources["gpt2"] and "def rope(" not in sources["gpt2"]
+    assert 'embed(w, "position_embd.weight", positions.reshape((-1,)))' in sources["gpt2"] and "def rope(" not in sources["gpt2"]
     assert "attn_out + ffn_out" in sources["command-r"]
     assert "gate_up[:, :N_FF]" in sources["phi3"] and 'p + "attn_qkv.weight"' in sources["phi3"]
     assert "ROPE_LAYERS = (True, True, True, False)" in sources["smollm3"]

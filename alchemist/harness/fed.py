@@ -44,10 +44,10 @@ def _cache_style(module) -> str:
             f"fed-input diff is not available for {arch}: layers share KV caches ({n_kv_caches(module)} caches "
             f"for {module.N_LAYER} layers), so a layer cannot be run on its own"
         )
-    if params[:5] == ["w", "il", "x", "positions", "attend_len"]:
-        if params[5:7] == ["k_cache", "v_cache"]:
+    if params[:6] == ["ops", "w", "il", "x", "positions", "attend_len"]:
+        if params[6:8] == ["k_cache", "v_cache"]:
             return "kv"
-        if params[5:6] == ["cache"]:
+        if params[6:7] == ["cache"]:
             return "tuple"
     raise AlchemistError(
         f"fed-input diff is not available for {arch}: its block({', '.join(params)}) does not take one (T, N_EMBD) "
