@@ -81,7 +81,7 @@ def ir_from_module(src) -> tuple[object | None, str | None]:
         facts = GGUFFacts(
             path=str(prov["source_file"]),
             file_size=prov["source_size"],
-            version=3,
+            version=3,  # the header's version and alignment: not read by the families
             alignment=32,
             data_offset=data_offset,
             metadata={k: metadata_value(v) for k, v in metadata.items()},

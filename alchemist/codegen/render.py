@@ -307,6 +307,7 @@ def template_context(ir: ModelIR) -> dict:
     att = ir.attention_layers[0].attention
     style = _rope_style(ir)
     norms = [first.attn_norm, first.ffn_norm, first.attn_post_norm, first.ffn_post_norm, att.q_norm, ir.output.norm]
+    norm_kinds = sorted({n.kind.value for n in norms if n is not None})
     summary = (
         f"{ir.n_layer} layers, d_model {ir.n_embd}, {att.n_head} query heads / {att.n_kv_head} KV heads of size "
         f"{att.head_dim}, vocabulary {ir.n_vocab}."
@@ -341,8 +342,8 @@ def template_context(ir: ModelIR) -> dict:
         generator=f"alchemist {__version__}",
         ir_hash=ir.ir_hash(),
         constants=_constant_rows(ir),
-        norm_kinds=sorted({n.kind.value for n in norms if n is not None}),
-        primitives=_primitives(ir, style, sorted({n.kind.value for n in norms if n is not None})),
+        norm_kinds=norm_kinds,
+        primitives=_primitives(ir, style, norm_kinds),
         activation=first.mlp.activation.value,
         act_fn=ACTIVATION_FUNCTIONS[first.mlp.activation],
         rope=style is not RopeStyle.NONE,
