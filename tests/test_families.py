@@ -59,7 +59,10 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     for case, src in sources.items():
         assert "gemma" not in src.split("# The model")[1].split("# Weights")[0].lower() or case.startswith("gemma")
     assert "def layer_norm(" in sources["gpt2"] and "def rms_norm(" not in sources["gpt2"]
-    assert 'embed(w, "position_embd.weight", positions.reshape((-1,)))' in sources["gpt2"] and "def rope(" not in sources["gpt2"]
+    assert (
+        'embed(w, "position_embd.weight", positions.reshape((-1,)))' in sources["gpt2"]
+        and "def rope(" not in sources["gpt2"]
+    )
     assert "attn_out + ffn_out" in sources["command-r"]
     assert "gate_up[:, :N_FF]" in sources["phi3"] and 'p + "attn_qkv.weight"' in sources["phi3"]
     assert "ROPE_LAYERS = (True, True, True, False)" in sources["smollm3"]
@@ -121,3 +124,15 @@ def test_table_option_rewrites_only_the_marked_table(tmp_path):
     assert parser.parse_args(["families", "--table", "docs/architectures.md"]).table == "docs/architectures.md"
     assert parser.parse_args(["families", "--readme", "x.md"]).table == "x.md"  # the deprecated spelling
     assert parser.parse_args(["families"]).table is None
+
+
+def test_a_failing_backend_is_listed_and_does_not_hide_the_types_that_pass():
+    rows = [{"case": "gemma3n", "quirks": ["AltUp"]}] + [
+        {"case": "gemma3n", "backend": b, "weight_type": t, "passed": b != "jax"}
+        for t in ("F32", "Q8_0")
+        for b in ("c", "jax")
+    ]
+    line = architecture_markdown(rows).splitlines()[-1]
+    assert line == "| `gemma3n` | AltUp | c (fails: jax/F32, jax/Q8_0) | F32, Q8_0 |"
+    rows[1]["passed"] = False  # c fails on F32 too: F32 passes on no validated backend
+    assert architecture_markdown(rows).splitlines()[-1].endswith("| none (fails: c/F32, jax/F32, jax/Q8_0) | none |")

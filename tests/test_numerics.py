@@ -87,7 +87,7 @@ def test_editing_the_generated_file_changes_what_runs(tiny_gguf, tmp_path):
         if callable(value) and getattr(value, "__module__", None) == model.module.__name__:
             assert value.__code__.co_filename == str(model.module_path), name
     source = model.module_path.read_text()
-    line = "    return ops.project(out, w, p + \"attn_output.weight\"), k_cache, v_cache\n"
+    line = '    return ops.project(out, w, p + "attn_output.weight"), k_cache, v_cache\n'
     assert source.count(line) == 1
     edited_path = tmp_path / "edited" / model.module_path.name
     edited_path.parent.mkdir()
@@ -247,7 +247,9 @@ def test_load_llm_numerics(tiny_gguf, tmp_path):
 
     model = load_llm(tiny_gguf("gemma3"), context=CONTEXT, generated_dir=tmp_path, progress=False, compile_now=False)
     assert model.numerics == model.engine.numerics == "ggml" and model.engine.ops.gelu is gelu_table
-    assert model.engine.module is model.module  # the module as written; its EXACT is what alchemist.symbolic differentiates
+    assert (
+        model.engine.module is model.module
+    )  # the module as written; its EXACT is what alchemist.symbolic differentiates
     exact = load_llm(tiny_gguf("gemma3"), context=CONTEXT, generated_dir=tmp_path, progress=False, numerics="exact")
     assert exact.engine.module is exact.module and exact.engine.ops is exact.module.EXACT
     ids = [2, 40, 300, 7, 99]

@@ -183,7 +183,9 @@ def check_syntax(ctx: Context) -> CheckResult:
     if "EXACT" not in src.assignments:
         f.append("EXACT (the module's own Primitives, forward's default ops) is not defined")
     forward = src.functions.get("forward")
-    if forward is not None and "ops" not in {p.name.value for p in (*forward.params.params, *forward.params.kwonly_params)}:
+    if forward is not None and "ops" not in {
+        p.name.value for p in (*forward.params.params, *forward.params.kwonly_params)
+    }:
         f.append("forward() takes no `ops` (the primitives its layers compute with)")
     return result(
         "syntax",

@@ -39,7 +39,6 @@ def dotted(node) -> str | None:
     return None
 
 
-
 MAX_REPEAT = 1 << 16  # a per-layer constant's count; far above any model's layer count
 
 
@@ -52,6 +51,7 @@ def literal(node: ast.expr):
             raise ValueError(f"a repeat count of {count!r}")
         return pattern * count
     return ast.literal_eval(node)
+
 
 @dataclass
 class ModuleSource:

@@ -17,4 +17,3 @@ from alchemist.runtime.numerics import (  # noqa: F401  (re-exported)
     round_like_q8_0,
     round_like_q8_k,
 )
-

@@ -180,7 +180,13 @@ def architecture_markdown(rows: list[dict]) -> str:
         backends = sorted({r["backend"] for r in results})
         passed_backends = [b for b in backends if all(r["passed"] for r in results if r["backend"] == b)]
         types = list(dict.fromkeys(r["weight_type"] for r in results))
-        passed_types = [t for t in types if all(r["passed"] for r in results if r["weight_type"] == t)]
+        # the types that pass on every validated backend (a backend that fails is listed under "fails")
+        passed_types = [
+            t
+            for t in types
+            if passed_backends
+            and all(r["passed"] for r in results if r["weight_type"] == t and r["backend"] in passed_backends)
+        ]
         failed = [f"{r['backend']}/{r['weight_type']}" for r in results if not r["passed"]]
         lines.append(
             f"| `{case}` | {', '.join(quirk)} | {', '.join(passed_backends) or 'none'}"

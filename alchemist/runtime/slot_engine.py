@@ -147,7 +147,14 @@ class SlotEngine:
         # decode: the logits of the real rows only (padding rows come last); prefill: of its last real token
         rows = pt.arange(n_valid) if n_tokens == 1 else (n_valid - 1)[None]
         logits, new_cache = self.module.forward(
-            self.engine.weights, tokens, positions, self.cache, attend_len, output_rows=rows, ops=self.engine.ops, slots=slots
+            self.engine.weights,
+            tokens,
+            positions,
+            self.cache,
+            attend_len,
+            output_rows=rows,
+            ops=self.engine.ops,
+            slots=slots,
         )
         if self.engine.backend == "c":
             logits, new_cache = self._cache_writes_flat(logits, new_cache)
