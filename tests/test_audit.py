@@ -483,3 +483,26 @@ def test_load_llm_refuses_a_module_that_fails_its_audit(fixture_modules, tmp_pat
     monkeypatch.setattr(api, "write_generated", lambda ir, out_dir: bad)
     with pytest.raises(AuditError, match="safety: import of 'os'"):
         api.load_llm(gguf_path, backend="c", progress=False, compile_now=False)
+
+
+def test_the_default_numerics_graph_is_audited_too(fixture_modules):
+    """Dequantization and coverage also walk forward built with the "ggml" primitives load_llm uses by default:
+    there every uint8 weight goes to a kernel Op computing with numerics="ggml", and the attention is ggml's Op."""
+    from alchemist.audit.checks import Context
+    from alchemist.audit.graph import graph_audit
+    from alchemist.kernels.attention import CausalAttentionGgml
+    from alchemist.kernels.op import QuantizedMatmul
+
+    module, _, ir = fixture_modules["qwen3"]
+    ctx = Context(src=ModuleSource.parse(module.read_text(), module.name), ir=ir, safe=True)
+    g = graph_audit(ctx)
+    assert [b.numerics for b in g.ggml_builds] == ["ggml"] and not g.ggml_builds[0].error
+    ops = [node.op for node in g.ggml_builds[0].nodes]
+    matmuls = [op for op in ops if isinstance(op, QuantizedMatmul)]
+    assert matmuls and all(op.numerics == "ggml" for op in matmuls)
+    assert any(isinstance(op, CausalAttentionGgml) for op in ops)
+    assert all(
+        op.numerics == "exact" for b in g.builds for node in b.nodes if isinstance(op := node.op, QuantizedMatmul)
+    )
+    report = audit_module(module, ir=ir)
+    assert "with numerics='ggml'" in report.check("coverage").why and report.passed

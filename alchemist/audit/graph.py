@@ -18,6 +18,10 @@ run -- from one input per TENSORS entry, then the PyTensor graph (before any rew
                   the IR marks as loaded but never applied by llama.cpp (TensorBinding.read False: gemma3n's K/V
                   projections on KV-sharing layers), which must not; forward reads no name outside TENSORS
 
+Dequantization and coverage also read forward built with the "ggml" bundle of primitives that load_llm computes
+with by default (alchemist.runtime.numerics.primitives), so what the default numerics reads is audited too.
+Orientation and heads read the EXACT graph, where every primitive is the file's formula.
+
 Nothing here knows a family or a template function: the IR gives the roles and head sizes.
 """
 
@@ -52,6 +56,7 @@ def load_isolated(text: str, filename: str) -> types.ModuleType:
 @dataclass
 class Build:
     quantized: bool
+    numerics: str = "exact"  # the primitives forward was given: the module's EXACT, or alchemist's "ggml" bundle
     weights: dict = field(default_factory=dict)  # name -> input variable
     outputs: list = field(default_factory=list)
     nodes: list = field(default_factory=list)  # apply nodes, in topological order
@@ -61,16 +66,19 @@ class Build:
 
 @activating
 def build_forward(
-    module, tensors: dict, kernel: set, cache_shapes: list, quantized: bool, capacity: int = None
+    module, tensors: dict, kernel: set, cache_shapes: list, quantized: bool, capacity: int = None, numerics="exact"
 ) -> Build:
-    """forward's graph for N_TOKENS tokens over a cache of `capacity` rows (default CAPACITY);
+    """forward's graph for N_TOKENS tokens over a cache of `capacity` rows (default CAPACITY), computing with
+    `numerics`' primitives (alchemist.runtime.numerics.primitives);
     cache_shapes: per layer its caches, (kind, shape of one position's row) (the IR's layer_caches)."""
     capacity = capacity or CAPACITY
     import pytensor
     import pytensor.tensor as pt
     from pytensor.graph.traversal import io_toposort
 
-    b = Build(quantized)
+    from alchemist.runtime.numerics import primitives
+
+    b = Build(quantized, numerics)
     for name, (gtype, shape, _, nbytes) in tensors.items():
         if quantized and name in kernel:  # (n_out, row bytes), or (n_expert, n_out, row bytes)
             rows = math.prod(shape[:-1])
@@ -85,14 +93,18 @@ def build_forward(
     ]
     try:
         with pytensor.config.change_flags(traceback__limit=0):  # no stack walk for every node: 3x faster
-            logits, new_cache = module.forward(dict(b.weights), tokens, positions, cache, attend_len=capacity)
+            ops = {} if numerics == "exact" else {"ops": primitives(module, numerics)}
+            logits, new_cache = module.forward(dict(b.weights), tokens, positions, cache, attend_len=capacity, **ops)
         b.outputs = [logits] + [t for caches in new_cache for t in caches]
         b.outputs = [pt.as_tensor_variable(o) for o in b.outputs]
     except KeyError as e:
         b.error = f"forward reads w[{e.args[0]!r}], which is not in TENSORS" if e.args else "forward raised KeyError"
         return b
     except Exception as e:  # noqa: BLE001 - any failure to build is a finding, with its message
-        b.error = f"forward could not be built ({'quantized' if quantized else 'float32'} weights): " + (
+        weights = f"{'quantized' if quantized else 'float32'} weights" + (
+            "" if numerics == "exact" else f", {numerics}"
+        )
+        b.error = f"forward could not be built ({weights}): " + (
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         )
         return b
@@ -199,10 +211,11 @@ def kernel_findings(b: Build, tensors: dict, kernel: set, roles: dict) -> tuple[
 def check_dequantization(ctx: Context, g: "GraphAudit") -> object:
     f = list(g.loader)
     kernel_uses = 0
-    for b in g.builds:
+    for b in g.builds + g.ggml_builds:
         if b.quantized:
-            found, kernel_uses = kernel_findings(b, ctx.tensors(), ctx.kernel_weights(), g.roles)
-            f += found
+            found, uses = kernel_findings(b, ctx.tensors(), ctx.kernel_weights(), g.roles)
+            f += [m + (f" (numerics={b.numerics!r})" if b.numerics != "exact" else "") for m in found]
+            kernel_uses = uses if b.numerics == "exact" else kernel_uses
     types_ = sorted({e[0] for e in ctx.tensors().values()})
     kernel = ctx.kernel_weights()
     ok = (
@@ -212,7 +225,8 @@ def check_dequantization(ctx: Context, g: "GraphAudit") -> object:
     if kernel:
         ok += (
             f"; with quantized=True the {len(kernel)} KERNEL_WEIGHTS as uint8 blocks, which the quantized graph "
-            f"passes only to alchemist.kernels Ops of their ggml type and (n_out, n_in) ({kernel_uses} uses)"
+            f"passes only to alchemist.kernels Ops of their ggml type and (n_out, n_in) ({kernel_uses} uses), with "
+            "the module's EXACT primitives and with numerics='ggml'"
         )
     else:
         ok += "; no KERNEL_WEIGHTS, so the graph gets float32 weights only"
@@ -613,10 +627,11 @@ def check_coverage(ctx: Context, g: "GraphAudit"):
     long_only = set.intersection(*short_unread) - set.union(set(), *(set(unread(b)) for b in g.long_builds))
     long_only = long_only if g.long_builds else set()
     f = []
-    for b in g.builds:
+    for b in g.builds + g.ggml_builds:
         not_read = set(unread(b))
         for name in sorted(not_read - g.unread, key=list(b.weights).index):
             msg = f"{name} is never read by forward (it does not reach the logits or the cache)"
+            msg += f" with numerics={b.numerics!r}" if b.numerics != "exact" else ""
             if name not in long_only and msg not in f:
                 f.append(msg)
         for name in sorted(g.unread - not_read):
@@ -630,6 +645,7 @@ def check_coverage(ctx: Context, g: "GraphAudit"):
         (
             f"all {n_read} TENSORS entries reach the logits or the KV cache in the graph of forward"
             + (" (float32 and quantized weights)" if len(g.builds) > 1 else "")
+            + (" and with numerics='ggml'" if g.ggml_builds else "")
             + (f"; the {len(g.unread)} the IR marks unapplied by llama.cpp do not" if g.unread else "")
             + "; forward reads no name outside TENSORS"
         ),
@@ -651,6 +667,7 @@ class GraphAudit:
     error: str | None = None  # why the module could not be imported
     loader: list = field(default_factory=list)
     builds: list = field(default_factory=list)
+    ggml_builds: list = field(default_factory=list)  # with numerics="ggml" (dequantization and coverage only)
     long_builds: list = field(default_factory=list)  # over the whole trained context (coverage only)
     roles: dict = field(default_factory=dict)
     unread: set = field(default_factory=set)  # tensors the IR says llama.cpp loads but never applies
@@ -682,6 +699,8 @@ def graph_audit(ctx: Context) -> GraphAudit:
         shapes = [(("k", (n_kv, head_dim)), ("v", (n_kv, head_dim)))] * n_cache
     for quantized in (False, True) if kernel else (False,):
         g.builds.append(build_forward(module, tensors, kernel, shapes, quantized))
+    if hasattr(module, "EXACT"):  # the bundle load_llm computes with by default: its graph reads the same tensors
+        g.ggml_builds.append(build_forward(module, tensors, kernel, shapes, bool(kernel), numerics="ggml"))
     context = ctx.ir.n_ctx_train if ctx.ir is not None else None
     original = ctx.src.constant("ROPE_ORIG_CTX")
     if context and isinstance(original, int) and not isinstance(original, bool):
@@ -705,7 +724,8 @@ def run_graph_check(name: str, ctx: Context):
     g = graph_audit(ctx)
     if g.error:
         return CheckResult(name, False, g.error)
-    errors = [b.error for b in g.builds if b.error]
+    builds = g.builds + (g.ggml_builds if name in ("dequantization", "coverage") else [])
+    errors = [b.error for b in builds if b.error]
     if errors:
         return result(name, errors + (g.loader if name == "dequantization" else []), "")
     return GRAPH_CHECKS[name](ctx, g)

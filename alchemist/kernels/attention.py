@@ -352,7 +352,7 @@ def causal_attention_formula(
 
 def attention_variant(module) -> dict | None:
     """How a generated module's causal_attention scales and caps its scores: {"scale", "softcap", "has_sinks"},
-    read from the function's own source (the template's variants), or None when it is not one the Op knows."""
+    read from the constants the function reads (the template's variants), or None when it is not one the Op knows."""
     import inspect
 
     fn = getattr(module, "causal_attention", None)
@@ -367,9 +367,9 @@ def attention_variant(module) -> dict | None:
         return None
     if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in signature.values()):
         return None  # not the template's function (e.g. this module's own replacement)
-    source = inspect.getsource(fn)
-    scaled = "* np.float32(SCORE_SCALE)" in source
-    capped = "ATTN_LOGIT_SOFTCAP" in source
+    names = fn.__code__.co_names  # the globals it reads: no source file needed (the auditor's isolated import)
+    scaled = "SCORE_SCALE" in names
+    capped = "ATTN_LOGIT_SOFTCAP" in names
     return {
         "scale": float(module.SCORE_SCALE) if scaled else 1.0,
         "softcap": float(module.ATTN_LOGIT_SOFTCAP) if capped else 0.0,
