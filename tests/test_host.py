@@ -87,6 +87,24 @@ print(json.dumps({{"ids": ids, "lp_dtype": lp.dtype, "lp": lp_value, "state": st
     assert after["pymc"] == alone
 
 
+def test_a_run_makes_pytensor_probe_for_no_blas(tiny_gguf):
+    """Loading and running a model on C, its report included (which names the BLAS alchemist links), never reads
+    PyTensor's BLAS flag under the host's own settings, where PyTensor would probe and warn that it found none."""
+    code = f"""
+import json, warnings
+warnings.simplefilter("always")
+from alchemist import inference, load_llm
+model = load_llm({str(tiny_gguf("llama"))!r}, backend="c", context=32, progress=False)
+result = inference(model, input=[1, 40, 300], max_tokens=2)
+print(json.dumps({{"blas": result.report["blas"]}}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTENSOR_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "could not link to a BLAS" not in done.stderr, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["blas"]
+
+
 def test_activated_sets_and_restores_in_order():
     """Inside: float32 and the speed-ups (re-entrant); outside: exactly the attributes and flags from before."""
     import pytensor

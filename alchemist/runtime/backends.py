@@ -20,9 +20,14 @@ _REQUIRED_PACKAGE = {"numba": "numba", "jax": "jax", "mlx": "mlx"}
 
 
 def blas_info() -> str:
+    """The BLAS alchemist's C graphs link: PyTensor's flag as alchemist sets it around its own compiles (read
+    outside them, the host's own setting would make PyTensor probe for a BLAS and warn)."""
     import pytensor
 
-    ldflags = pytensor.config.blas__ldflags
+    from alchemist.pytensor_ext.host import activated
+
+    with activated():
+        ldflags = pytensor.config.blas__ldflags
     return ldflags if ldflags else "none (numpy dot through Python fallbacks)"
 
 
