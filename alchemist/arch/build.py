@@ -387,7 +387,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             )
         )
 
-    model_name = facts.metadata.get("general.name", "")
+    model_name = hp._lookup("general.name") or ""
     ir = ModelIR(
         architecture=family.name,
         model_name=model_name if isinstance(model_name, str) else "",
@@ -417,7 +417,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         tap_names=family.tap_names,
     )
     ir = family.components(hp, ir) if family.components else ir
-    read = {"general.architecture"} | ({"general.name"} if "general.name" in facts.metadata else set()) | hp.read
+    read = {"general.architecture"} | hp.read  # the architecture chose the family before hp existed
     return dataclasses.replace(ir, metadata=tuple((k, metadata_literal(facts.metadata[k])) for k in sorted(read)))
 
 
