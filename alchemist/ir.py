@@ -117,6 +117,20 @@ class RopeSpec:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     n_ctx_orig: int = 0  # YaRN, LongRoPE: the context the model was originally trained for
+    # YaRN: the attn_factor llama.cpp hands ggml's rope where a family sets its own (mistral3); attn_factor is
+    # then this times ggml's magnitude 1 + 0.1 ln(1 / freq_scale), as ggml rounds it
+    ggml_attn_factor: float | None = field(default=None, metadata=LATER)
+
+
+@dataclass(frozen=True)
+class AttentionTemperature:
+    """Llama 4's attention temperature tuning (llama.cpp's llm_graph_input_attn_temp): the queries of a token at
+    position p are multiplied by log(floor((p + offset) / length) + 1) · scale + 1, a factor that grows by one
+    step every `length` positions."""
+
+    scale: float
+    length: int
+    offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -150,6 +164,7 @@ class AttentionSpec:
     # layer that writes its KV cache; an earlier one, a KV-sharing layer that computes only queries (gemma3n)
     kv_layer: int | None = field(default=None, metadata=LATER)
     v_norm: NormSpec | None = field(default=None, metadata=LATER)  # normalizes values (gemma3n: no weight)
+    temperature: AttentionTemperature | None = field(default=None, metadata=LATER)  # scales q after RoPE
 
     @property
     def group_size(self) -> int:

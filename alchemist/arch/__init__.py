@@ -18,6 +18,7 @@ from alchemist.arch import (
     internlm2,
     lfm2,
     llama,
+    mistral3,
     olmo2,
     phi3,
     qwen2,
@@ -56,6 +57,7 @@ FAMILY_MODULES = (
     qwen3moe,
     gpt_oss,
     gemma3n,
+    mistral3,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from alchemist.arch.family import Family, Hparams
+from alchemist.arch.family import Family, Hparams, yarn_mscale_ggml
 from alchemist.arch.table import Dims, TensorSpec
 from alchemist.errors import GGUFError, UnsupportedModelError
 from alchemist.gguf_io import GGUFFacts
@@ -183,12 +183,20 @@ def rope_scaling(facts: GGUFFacts, hp: Hparams, family: Family, bound: set[str],
         # llama_context: yarn_attn_factor = mscale(factor) / (1 + 0.1 ln factor) · attn_factor, and ggml's
         # rope multiplies by 1 + 0.1 ln(1/freq_scale) again: the net magnitude is mscale(factor) · attn_factor
         mscale = 1.0 + 0.1 * math.log(1.0 / freq_scale) if freq_scale < 1.0 else 1.0
+        beta_fast, beta_slow = family.yarn_betas(hp)
+        if family.yarn_attn_factor:
+            # the family's own factor times ggml's magnitude, as ggml's rope multiplies them (float32)
+            handed = family.yarn_attn_factor(hp, freq_scale)
+            fields.update(ggml_attn_factor=handed)
+            magnitude = float(np.float32(yarn_mscale_ggml(freq_scale)) * np.float32(handed))
+        else:
+            magnitude = mscale * attn_factor
         fields.update(
             scaling=RopeScaling.YARN,
             ext_factor=1.0,
-            attn_factor=mscale * attn_factor,
-            beta_fast=32.0,  # llama_hparams' defaults; only a few families (not these) read them from metadata
-            beta_slow=1.0,
+            attn_factor=magnitude,
+            beta_fast=beta_fast,
+            beta_slow=beta_slow,
             n_ctx_orig=hp.int("rope.scaling.original_context_length", default=dims.n_ctx, minimum=1),
         )
     elif kind == "longrope":
@@ -265,6 +273,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     sliding = [s and window > 0 for s in sliding]
     swa_rope = family.swa_rope(hp, rope_base, rope_fields["freq_scale"]) if family.swa_rope else None
     score_scale = family.score_scale(hp, dims.head_dim)
+    temperature = family.attn_temperature(hp)
     # a block tensor's presence is read in the first layer that can have it (a hybrid's first of its mixer)
     first_of = {mixer: mixers.index(mixer) for mixer in dict.fromkeys(mixers)} if mixers else {}
 
@@ -372,6 +381,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             logit_softcap=family.attn_softcap(hp),
             prescale_queries=family.prescale_queries,
             sinks=present("attn_sinks.weight"),
+            temperature=temperature,
         )
         layers.append(
             LayerSpec(

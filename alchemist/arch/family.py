@@ -18,7 +18,7 @@ import numpy as np
 from alchemist.arch.table import TensorSpec
 from alchemist.errors import GGUFError, UnsupportedModelError
 from alchemist.gguf_io import GGUFFacts
-from alchemist.ir import Activation, Gating, ModelIR, NormKind, RopeStyle, Wiring
+from alchemist.ir import Activation, AttentionTemperature, Gating, ModelIR, NormKind, RopeStyle, Wiring
 
 REQUIRED = object()
 
@@ -147,6 +147,22 @@ def attention_scale_key(hp: Hparams, head_dim: int) -> float:
     return hp.float("attention.scale", default=0.0) or 1.0 / math.sqrt(head_dim)
 
 
+def logf(x: float) -> float:
+    """glibc's logf, the one llama.cpp calls, in float32."""
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+    libm.logf.restype, libm.logf.argtypes = ctypes.c_float, [ctypes.c_float]
+    return float(libm.logf(float(np.float32(x))))
+
+
+def yarn_mscale_ggml(freq_scale: float) -> float:
+    """ggml's YaRN magnitude, fmaf(0.1f, logf(1 / freq_scale), 1.0f) (rope_yarn; the float64 sum is exact)."""
+    f = np.float32
+    return float(f(float(f(0.1)) * logf(float(f(1) / f(freq_scale))) + 1.0))
+
+
 def expert_width_from_ff(hp: Hparams, n_expert_used: int) -> int:
     """llama's experts are feed_forward_length wide (llama.cpp reads no expert width for it)."""
     return hp.int("feed_forward_length", minimum=1)
@@ -196,6 +212,8 @@ class Family:
     logit_scale: Callable[[Hparams], float] = lambda hp: 1.0
     attn_softcap: Callable[[Hparams], float] = lambda hp: 0.0
     prescale_queries: bool = False  # llama.cpp scales Qcur before attention (and names the result Qcur)
+    # (hp) -> Llama 4's temperature tuning of the queries by position, or None (the default: none)
+    attn_temperature: Callable[[Hparams], AttentionTemperature | None] = lambda hp: None
     final_softcap: Callable[[Hparams], float] = lambda hp: 0.0
     # sliding-window attention: (hp, n_layer) -> which layers slide (window: attention.sliding_window)
     sliding_layers: Callable[[Hparams, int], list[bool]] | None = None
@@ -208,6 +226,11 @@ class Family:
     # (hp, tensor names present in layer 0) -> wiring; stablelm is parallel when ffn_norm is absent
     wiring_for: Callable[[Hparams, set[str]], Wiring] | None = None
     rope_scalings: tuple[str, ...] = ("none", "linear", "yarn")
+    # YaRN: (hp, freq_scale) -> the attn_factor src/models/<family>.cpp hands ggml_rope_ext where it is not
+    # llama_context's (default: the magnitude is mscale(factor) · rope.scaling.attn_factor), and
+    # (hp) -> (beta_fast, beta_slow) (default: llama.cpp's 32, 1)
+    yarn_attn_factor: Callable[[Hparams, float], float] | None = None
+    yarn_betas: Callable[[Hparams], tuple[float, float]] = lambda hp: (32.0, 1.0)
     # (hp, n_layer) -> per layer how it mixes tokens, "attention" or "conv" (default: attention everywhere);
     # a table entry with a `mixer` exists only in the layers that mix that way
     layer_mixers: Callable[[Hparams, int], list[str]] | None = None

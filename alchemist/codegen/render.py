@@ -143,7 +143,11 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("a q norm without a k norm (or the reverse)")
     if (mlp.kind is MLPKind.MOE) != bool(mlp.router):
         problems.append("a mixture of experts without a router (or a router outside one)")
-    if mlp.kind is not MLPKind.MOE and (mlp.kind is MLPKind.GATED) != bool(mlp.gate) or (mlp.gate_bias and not mlp.gate):
+    if (
+        mlp.kind is not MLPKind.MOE
+        and (mlp.kind is MLPKind.GATED) != bool(mlp.gate)
+        or (mlp.gate_bias and not mlp.gate)
+    ):
         problems.append(f"a {mlp.kind.value} MLP with{'out' if not mlp.gate else ''} a gate tensor")
     if mlp.activation is Activation.SWIGLU_OAI and not (mlp.kind is MLPKind.MOE and mlp.gate):
         problems.append("swiglu_oai outside a gated mixture of experts")
@@ -167,6 +171,8 @@ def _mixerless(layer: LayerSpec) -> LayerSpec:
 def _conv(ir: ModelIR):
     """The short convolution of a hybrid's convolution layers (the same in each), or None."""
     return next((lay.conv for lay in ir.layers if lay.conv is not None), None)
+
+
 def _altup_problems(ir: ModelIR) -> list[str]:
     """What the AltUp block and the shared-KV attention templates (gemma3n's components) cannot render."""
     first = ir.layers[0]
@@ -181,8 +187,8 @@ def _altup_problems(ir: ModelIR) -> list[str]:
             problems.append("shared-KV attention needs q, k and v projections without biases")
         if att.q_norm is None or att.v_norm is None or att.qk_norm_scope is not QKNormScope.HEAD:
             problems.append("shared-KV attention needs per-head q/k norms and a value norm")
-        if att.logit_softcap or att.prescale_queries or att.rope.freq_factors_short:
-            problems.append("shared-KV attention with a logit softcap, prescaled queries or LongRoPE")
+        if att.logit_softcap or att.prescale_queries or att.rope.freq_factors_short or att.temperature:
+            problems.append("shared-KV attention with a logit softcap, prescaled queries, LongRoPE or a temperature")
         if any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.layers):
             problems.append("shared-KV attention on layers without RoPE")
         for lay in ir.layers:
@@ -228,6 +234,11 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         rows.append(("N_EXPERT_USED", mlp.router.n_expert_used, "experts each token is routed to"))
         if mlp.router.weight_scale != 1.0:
             rows.append(("EXPERT_WEIGHT_SCALE", mlp.router.weight_scale, "multiplies the routing weights"))
+    if att.temperature:
+        t = att.temperature
+        rows.append(("ATTN_TEMPERATURE_SCALE", t.scale, "q · (log(floor((p + offset) / length) + 1) · scale + 1)"))
+        rows.append(("ATTN_TEMPERATURE_LENGTH", t.length, "positions per step of that factor"))
+        rows.append(("ATTN_TEMPERATURE_OFFSET", t.offset, "added to the position p"))
     if att.logit_softcap:
         rows.append(("ATTN_LOGIT_SOFTCAP", att.logit_softcap, "scores = cap · tanh(scores / cap)"))
     if ir.embedding.scale != 1.0:
@@ -248,6 +259,8 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         rope = att.rope
         if rope.attn_factor != 1.0:
             rows.append(("ROPE_ATTN_FACTOR", rope.attn_factor, "multiplies cos and sin (the magnitude correction)"))
+        if rope.ggml_attn_factor is not None:
+            rows.append(("ROPE_GGML_ATTN_FACTOR", rope.ggml_attn_factor, "llama.cpp's share of ROPE_ATTN_FACTOR"))
         if rope.scaling is RopeScaling.YARN:
             rows.append(("YARN_EXT_FACTOR", rope.ext_factor, "how much of the extrapolated angle YaRN mixes in"))
             rows.append(("YARN_BETA_FAST", rope.beta_fast, ""))

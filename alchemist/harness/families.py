@@ -55,6 +55,8 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append("attention softcap")
     if att.sinks:
         out.append("attention sinks")
+    if att.temperature:
+        out.append("attention temperature")
     if styles == {RopeStyle.NONE}:
         out.append("no RoPE")
     else:

@@ -384,7 +384,9 @@ def ggml_rope_functions(module):
     attn = float(getattr(module, "ROPE_ATTN_FACTOR", 1.0))
     yarn = hasattr(module, "YARN_EXT_FACTOR")
     longrope = len(inspect.signature(module.rope_angles).parameters) == 4  # (w, il, positions, n_ctx)
-    if yarn:
+    if hasattr(module, "ROPE_GGML_ATTN_FACTOR"):  # the factor the family hands ggml's rope, as the module says
+        attn = float(module.ROPE_GGML_ATTN_FACTOR)
+    elif yarn:
         # the module's ROPE_ATTN_FACTOR is mscale(factor) · attn_factor; llama.cpp rounds its pieces apart
         scale = float(module.ROPE_FREQ_SCALE[0])
         attn = yarn_attn_factor(scale, attn / (1.0 + 0.1 * np.log(1.0 / scale)) if scale < 1.0 else attn)
