@@ -111,6 +111,21 @@ def test_validating_some_cases_replaces_only_their_rows():
     assert [(r["case"], r["tag"]) for r in merged] == [("a", "old")] * 2 + [("b", "new")] * 2 + [("c", "new")] * 2
 
 
+def test_new_weight_types_join_the_rows_of_an_unchanged_module():
+    def rows(sha, tag, *types):
+        results = [{"case": "a", "backend": "c", "weight_type": t, "tag": tag} for t in types]
+        return results + [{"case": "a", "quirks": [], "module_sha256": sha, "tag": tag}]
+
+    old = rows("s1", "old", "F32", "Q8_0")
+    merged = merge_results(old, rows("s1", "new", "Q8_0", "IQ4_NL"), ["a"])
+    assert [(r.get("weight_type"), r["tag"]) for r in merged] == [
+        ("F32", "old"), ("Q8_0", "new"), ("IQ4_NL", "new"), (None, "new")
+    ]  # fmt: skip
+    # another module: the old measurements no longer describe it
+    merged = merge_results(old, rows("s2", "new", "IQ4_NL"), ["a"])
+    assert [(r.get("weight_type"), r["tag"]) for r in merged] == [("IQ4_NL", "new"), (None, "new")]
+
+
 def test_table_option_rewrites_only_the_marked_table(tmp_path):
     from alchemist.cli import build_parser
 

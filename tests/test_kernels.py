@@ -40,6 +40,8 @@ SCALE_FIELDS = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
 }
 # byte offsets of the E8M0 scale bytes (MXFP4, scale 2^(e - 128)): moderate exponents, or the extremes
 E8M0_FIELDS = {"MXFP4": (0,)}
@@ -437,8 +439,9 @@ def test_ggml_activation_quantization_is_bit_exact(ggml_ref, compiled_ggml, back
 @pytest.mark.parametrize("ggml_type", SUPPORTED_TYPES)
 def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
     """Every row of x @ W.T against ggml_vec_dot_<type>_q8_* on ggml's own activation blocks. On C the 32-blocks
-    and Q4_K / Q5_K / Q6_K compute the very same float operations (bit-identical); Q2_K, Q3_K and MXFP4 sum in
-    another order (float32 eps).
+    and Q4_K / Q5_K / Q6_K / IQ4_XS compute the very same float operations (bit-identical); IQ4_NL too for one
+    row, where llama.cpp takes vec_dot (from two rows on it takes tinyBLAS, whose order the kernel follows);
+    Q2_K, Q3_K and MXFP4 sum in another order (float32 eps).
     Numba runs the same C kernels (alchemist.kernels.native): the same results. Numba's own kernels multiply the
     rounded activations with the dequantized weights (Q4_1/Q5_1 differ in their offset term, which ggml takes
     from the fp16 block sum of Q8_1)."""
@@ -466,8 +469,10 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
         "Q4_K",
         "Q5_K",
         "Q6_K",
+        "IQ4_XS",
     ):  # the same float operations in the same order
         assert np.array_equal(got_c, want)
+    if ggml_type in ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL"):
         assert np.array_equal(np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x[:1], raw)), want[:1])  # decode
     assert np.abs(got_c - want).max() <= 2e-6 * scale
     if native.matmul_kernel():
@@ -511,12 +516,12 @@ def test_one_token_offset_loops_are_ggml_vec_dot(ggml_ref, ggml_type, halves):
     assert np.array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize("ggml_type", ("Q5_0", "Q4_K", "Q6_K", "Q4_1"))
+@pytest.mark.parametrize("ggml_type", ("Q5_0", "Q4_K", "Q6_K", "Q4_1", "IQ4_XS"))
 def test_ggml_numerics_equal_dequantize_then_matmul_of_rounded_activations(compiled_ggml, compiled, ggml_type):
     """ggml numerics == the exact kernel applied to dequant(quant(x)) (float32 summation order aside), for a
     decode row, a batch and a prefill-sized product. As in llama.cpp, a row's product depends only on whether the
     batch is below the K-quants' tiled threshold: the 32-blocks give every row its one-token product at any T;
-    the K-quants take ggml's vec_dot order below 8 rows and its tiled order from 8 rows on."""
+    the K-quants and IQ4_XS take ggml's vec_dot order below 8 rows and its tiled order from 8 rows on."""
     from alchemist.kernels.activations import round_rows
 
     rng = np.random.default_rng(5)
@@ -532,7 +537,7 @@ def test_ggml_numerics_equal_dequantize_then_matmul_of_rounded_activations(compi
         else:
             assert_close(got, rounded, raw, ggml_type)
         f = compiled_ggml("c", ggml_type, n_out, n_in)
-        if ggml_type.endswith("_K") and T >= 8:  # any batch of 8 or more: the same tiled arithmetic per row
+        if BLOCK_SIZES[ggml_type][0] == 256 and T >= 8:  # any batch of 8 or more: the same tiled arithmetic per row
             assert np.array_equal(np.concatenate([np.asarray(f(x[i : i + 8], raw)) for i in range(0, 32, 8)]), got[:32])
         elif T > 1:
             assert np.array_equal(np.stack([np.asarray(f(x[t : t + 1], raw))[0] for t in range(T)]), got)

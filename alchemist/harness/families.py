@@ -199,17 +199,34 @@ def architecture_markdown(rows: list[dict]) -> str:
 
 
 def merge_results(old_rows: list[dict], new_rows: list[dict], case_order) -> list[dict]:
-    """`new_rows` replace every row of the cases they cover; the other cases' rows are kept. Rows come out grouped
-    by case in `case_order` (cases no longer in it are dropped), so validating only the new or changed fixtures
-    updates the record instead of erasing the rest."""
-    by_case: dict[str, list[dict]] = {}
-    fresh = {r["case"] for r in new_rows}
+    """`new_rows` replace the rows they re-measure; the others are kept. A case whose module changed (another
+    module_sha256) is replaced whole; for an unchanged module only its (backend, weight type) rows that were run
+    again are, so validating new weight types adds them beside the old ones. Rows come out grouped by case in
+    `case_order` (cases no longer in it are dropped), so validating only the new or changed fixtures updates the
+    record instead of erasing the rest."""
+    key = lambda r: (r.get("backend"), r.get("weight_type"))  # noqa: E731  (None, None): the case's quirks row
+    old_by_case: dict[str, list[dict]] = {}
     for r in old_rows:
-        if r["case"] not in fresh:
-            by_case.setdefault(r["case"], []).append(r)
+        old_by_case.setdefault(r["case"], []).append(r)
+    new_by_case: dict[str, list[dict]] = {}
     for r in new_rows:
-        by_case.setdefault(r["case"], []).append(r)
-    return [r for case in case_order for r in by_case.get(case, [])]
+        new_by_case.setdefault(r["case"], []).append(r)
+    merged: dict[str, list[dict]] = {}
+    for case in case_order:
+        old, new = old_by_case.get(case, []), new_by_case.get(case)
+        if new is None:
+            merged[case] = old
+            continue
+        sha = lambda rows: next((r.get("module_sha256") for r in rows if "quirks" in r), None)  # noqa: E731
+        if sha(old) != sha(new):
+            merged[case] = new
+            continue
+        fresh = {key(r): r for r in new}
+        kept = [fresh.pop(key(r), r) for r in old]
+        merged[case] = (
+            [r for r in kept if "quirks" not in r] + list(fresh.values()) + [r for r in kept if "quirks" in r]
+        )
+    return [r for case in case_order for r in merged[case]]
 
 
 def write_results(rows: list[dict], json_path: Path, table_path: Path | None = None) -> None:

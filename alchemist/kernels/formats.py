@@ -27,6 +27,8 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
     "MXFP4": (32, 17),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(BLOCK_SIZES)
@@ -43,6 +45,12 @@ _E8M0 = np.arange(256, dtype=np.uint32)
 E8M0_HALF_TABLE = (
     np.where(_E8M0 < 2, np.uint32(0x00200000) << _E8M0, (_E8M0 - 1) << 23).astype(np.uint32).view(np.float32)
 )
+
+
+# IQ4_NL / IQ4_XS: each 4-bit code indexes a non-linear grid of int8 values (ggml-common.h kvalues_iq4nl); a
+# weight is d * KVALUES_IQ4NL[q] (IQ4_NL: one fp16 d per 32) or (d * (ls - 32)) * KVALUES_IQ4NL[q] (IQ4_XS: one
+# fp16 d per 256 and a 6-bit scale ls per 32, its low 4 bits in scales_l and high 2 in scales_h)
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
 def row_bytes(ggml_type: str, n_in: int) -> int:
@@ -185,6 +193,22 @@ def dequantize_blocks(xp, blocks, ggml_type: str):
         qs = b[..., 1:17]
         q = ops.concat([qs % 16, qs // 16])  # like Q4_0: element j < 16 is the low nibble of byte j
         return flat(d * f32(ops.lookup(KVALUES_MXFP4, q)))
+
+    if ggml_type == "IQ4_NL":
+        d = ops.f16(b[..., 0:2])[..., None]
+        qs = b[..., 2:18]
+        q = ops.concat([qs % 16, qs // 16])  # like Q4_0: element j < 16 is the low nibble of byte j
+        return flat(d * f32(ops.lookup(KVALUES_IQ4NL, q)))
+
+    if ggml_type == "IQ4_XS":
+        d = ops.f16(b[..., 0:2])[..., None]
+        scales_h = (b[..., 2] + 256 * b[..., 3])[..., None]  # uint16: 2 bits per sub-block
+        low = _bits(ops, b[..., 4:8], (0, 4), 4, axis=-1).reshape((*lead, 8))  # sub-block 2i: low nibble of byte i
+        high = _bits(ops, scales_h, range(0, 16, 2), 2, axis=-1).reshape((*lead, 8))
+        dl = (d * f32(low + 16 * high - 32))[..., None]
+        qs = b[..., 8:136].reshape((*lead, 8, 16))
+        q = ops.concat([qs % 16, qs // 16])  # (..., 8, 32): per sub-block as IQ4_NL
+        return flat(dl * f32(ops.lookup(KVALUES_IQ4NL, q)))
 
     raise NotImplementedError(ggml_type)
 

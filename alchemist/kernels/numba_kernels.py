@@ -29,6 +29,7 @@ _QK = np.array([formats.BLOCK_SIZES[t][0] for t in formats.SUPPORTED_TYPES], dty
 K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q2_K, K_Q3_K, K_Q4_K, K_Q5_K, K_Q6_K, K_MXFP4 = (
     KINDS[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
+K_IQ4_NL, K_IQ4_XS = KINDS["IQ4_NL"], KINDS["IQ4_XS"]
 
 _jit = numba.njit(cache=True, fastmath=False)
 # inlined at Numba IR level into the kernel, where LLVM can see that the row buffer is a fresh allocation
@@ -39,6 +40,7 @@ _jit_inline = numba.njit(cache=True, fastmath=False, inline="always")
 _F16 = formats.F16_TABLE  # 256 KB, embedded as a constant (a table lookup is ~3x faster than ldexp here)
 _E8M0_HALF = formats.E8M0_HALF_TABLE  # MXFP4 block scale byte -> 2^(e - 128), exact
 _KVALUES_MXFP4 = formats.KVALUES_MXFP4.astype(np.float32)  # MXFP4 4-bit code -> doubled E2M1 value
+_KVALUES_IQ4NL = formats.KVALUES_IQ4NL.astype(np.float32)  # IQ4_NL / IQ4_XS 4-bit code -> grid value
 
 
 @_jit_inline
@@ -219,6 +221,33 @@ def _dq_mxfp4(kind, r, nb, y, n16):
             v = np.int64(r[p + 1 + j])
             y[o + j] = _KVALUES_MXFP4[v & 0xF] * d
             y[o + j + 16] = _KVALUES_MXFP4[v >> 4] * d
+
+
+@_jit_inline
+def _dq_iq4_nl(kind, r, nb, y, n16):
+    for b in range(nb):
+        p, o = 18 * b, 32 * b
+        d = _f16(r[p], r[p + 1])
+        for j in range(n16):
+            v = np.int64(r[p + 2 + j])
+            y[o + j] = d * _KVALUES_IQ4NL[v & 0xF]
+            y[o + j + 16] = d * _KVALUES_IQ4NL[v >> 4]
+
+
+@_jit_inline
+def _dq_iq4_xs(kind, r, nb, y, n16):
+    for b in range(nb):
+        p = 136 * b
+        d = _f16(r[p], r[p + 1])
+        scales_h = np.int64(r[p + 2]) | (np.int64(r[p + 3]) << 8)
+        for s in range(8):
+            ls = ((np.int64(r[p + 4 + s // 2]) >> (4 * (s & 1))) & 0xF) | (((scales_h >> (2 * s)) & 3) << 4)
+            dl = d * np.float32(ls - 32)
+            q0, o = p + 8 + 16 * s, 256 * b + 32 * s
+            for j in range(n16):
+                v = np.int64(r[q0 + j])
+                y[o + j] = dl * _KVALUES_IQ4NL[v & 0xF]
+                y[o + j + 16] = dl * _KVALUES_IQ4NL[v >> 4]
 
 
 @numba.njit(cache=True, fastmath={"reassoc"})
@@ -514,6 +543,54 @@ def qmatmul_mxfp4(x, w):
     return y
 
 
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_iq4_nl(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_iq4_nl(K_IQ4_NL, w[o0 + r], n_in // 32, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_iq4_nl(K_IQ4_NL, w[o], n_in // 32, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_iq4_xs(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_iq4_xs(K_IQ4_XS, w[o0 + r], n_in // 256, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_iq4_xs(K_IQ4_XS, w[o], n_in // 256, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
 DRIVERS = {
     "Q4_0": qmatmul_q4_0,
     "Q4_1": qmatmul_q4_1,
@@ -526,6 +603,8 @@ DRIVERS = {
     "Q5_K": qmatmul_q5_k,
     "Q6_K": qmatmul_q6_k,
     "MXFP4": qmatmul_mxfp4,
+    "IQ4_NL": qmatmul_iq4_nl,
+    "IQ4_XS": qmatmul_iq4_xs,
 }
 
 
@@ -546,6 +625,10 @@ def dq_row(kind, row, n_in, out, n16):
         _dq_q4_k_q5_k(kind, row, n_in // 256, out, n16)
     elif kind == K_MXFP4:
         _dq_mxfp4(kind, row, n_in // 32, out, n16)
+    elif kind == K_IQ4_NL:
+        _dq_iq4_nl(kind, row, n_in // 32, out, n16)
+    elif kind == K_IQ4_XS:
+        _dq_iq4_xs(kind, row, n_in // 256, out, n16)
     else:
         _dq_q6_k(kind, row, n_in // 256, out, n16)
 

@@ -375,6 +375,51 @@ struct MXFP4 {
     }
 };
 
+/* IQ4_NL: an fp16 d, then 32 four-bit codes (low nibbles, then high nibbles, as Q4_0) into the non-linear grid
+   kvalues_iq4nl: q = the grid value, dl = d. IQ4_XS: 256 weights as 8 such sub-blocks of 32 under one fp16 d
+   (then scales_h, uint16, and scales_l[4]), sub-block s scaled by a 6-bit ls (its low 4 bits the nibble s & 1 of
+   scales_l[s / 2], its high 2 bits bits 2s, 2s + 1 of scales_h): dl = d * (ls - 32), exact in float32. */
+static const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline void iq4_codes(const uint8_t *qs, int8_t *q) {
+#if AQ_AVX2
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL));
+    store32(q, _mm256_shuffle_epi8(table, nibbles_32(qs)));
+#else
+    for (int j = 0; j < 16; ++j) {
+        q[j] = KVALUES_IQ4NL[qs[j] & 0xF];
+        q[j + 16] = KVALUES_IQ4NL[qs[j] >> 4];
+    }
+#endif
+}
+
+struct IQ4_NL {
+    enum { QK = 32, BS = 18, SUB = 32, NSUB = 1, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        dl[0] = f16(b);
+        iq4_codes(b + 2, q);
+        return q;
+    }
+};
+
+/* the 6-bit scale of IQ4_XS sub-block s, minus 32 */
+static inline int iq4_xs_scale(const uint8_t *b, int s) {
+    const unsigned scales_h = (unsigned)b[2] | ((unsigned)b[3] << 8);
+    return (int)(((b[4 + s / 2] >> (4 * (s & 1))) & 0xF) | (((scales_h >> (2 * s)) & 3) << 4)) - 32;
+}
+
+struct IQ4_XS {
+    enum { QK = 256, BS = 136, SUB = 32, NSUB = 8, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        const float d = f16(b);
+        for (int s = 0; s < 8; ++s) {
+            dl[s] = d * (float)iq4_xs_scale(b, s);
+            iq4_codes(b + 8 + 16 * s, q + 32 * s);
+        }
+        return q;
+    }
+};
+
 /* ------------------------------------------------------------------ the shared inner product */
 struct Acc {
     vf a0, a1;
@@ -1071,6 +1116,71 @@ struct GgmlDot<Q6_K> {
 #endif
 
 #if AQ_AVX2
+/* ggml_vec_dot_iq4_xs_q8_K: per super-block the 8 sub-blocks' lanes of 4 products times their scale (ls - 32) are
+   summed as integers, then acc = fma(d * dy, float(lanes), acc); the row is the 8-lane sum. */
+template <>
+struct GgmlDot<IQ4_XS> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *) {
+        __m256 acc = _mm256_setzero_ps();
+        alignas(64) int8_t q[256];
+        float dl[8];
+        for (idx_t i = 0; i < nb; ++i) {
+            const uint8_t *b = x + i * IQ4_XS::BS;
+            __builtin_prefetch(b + PREFETCH);
+            IQ4_XS::unpack(b, q, dl, 0);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int s = 0; s < 8; ++s) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * s));
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(yq + 256 * i + 32 * s));
+                const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p16, _mm256_set1_epi16((short)iq4_xs_scale(b, s))));
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b) * yd[i]), _mm256_cvtepi32_ps(sumi), acc);
+        }
+        return acc8_total(acc);
+    }
+};
+#endif
+
+/* Where llama.cpp's one-row product (T == 1, when tinyBLAS declines) sums in another order than its batched
+   tinyBLAS one, which dot_block_int follows. ggml_vec_dot_iq4_nl_q8_0 on AVX2 alternates the blocks between two
+   accumulators, adds them, and takes an odd last block as a scalar (fma: libggml-cpu contracts). */
+template <class Q>
+struct OneRowDot {
+    enum { EXACT = 0 };
+    static inline float dot(const uint8_t *, idx_t, const int8_t *, const float *) { return 0.0f; }
+};
+
+#if AQ_AVX2
+template <>
+struct OneRowDot<IQ4_NL> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd) {
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        alignas(32) int8_t q[32];
+        float dl[1];
+        idx_t b = 0;
+        for (; b + 1 < nb; b += 2)
+            for (int k = 0; k < 2; ++k) { /* block b + k into accumulator k */
+                IQ4_NL::unpack(x + (b + k) * IQ4_NL::BS, q, dl, 0);
+                const __m256i w = _mm256_loadu_si256((const __m256i *)q);
+                const __m256 v = _mm256_cvtepi32_ps(dot32(w, _mm256_sign_epi8(w, w), yq + 32 * (b + k)));
+                acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(yd[b + k] * dl[0]), v, acc[k]);
+            }
+        float sum = acc8_total(_mm256_add_ps(acc[0], acc[1]));
+        for (; b < nb; ++b) {
+            IQ4_NL::unpack(x + b * IQ4_NL::BS, q, dl, 0);
+            int32_t isum = 0;
+            for (int j = 0; j < 32; ++j) isum += (int32_t)q[j] * (int32_t)yq[32 * b + j];
+            sum = __builtin_fmaf(yd[b] * dl[0], (float)isum, sum);
+        }
+        return sum;
+    }
+};
+#endif
+
+#if AQ_AVX2
 /* T >= 8: ggml-cpu's tiled K-quant matmul (ggml-cpu/tiled, which llama.cpp takes for 8 or more activation rows).
    Per super-block the integer sums are reduced whole: s1 = sum_s sc[s] * (q . xq over sub-block s) and
    s2 = sum_s mn[s] * bsum_s; then res = d * float(s1), minus dmin * float(s2) in one fma, and
@@ -1094,6 +1204,17 @@ static inline void k_int_scales(const uint8_t *b, int32_t *sc, int32_t *mn, floa
     }
     *d = f16(b);
     *dmin = f16(b + 2);
+}
+
+/* IQ4_XS in ggml's tiled matmul: the 8 scales ls - 32, no mins */
+template <>
+inline void k_int_scales<IQ4_XS>(const uint8_t *b, int32_t *sc, int32_t *mn, float *d, float *dmin) {
+    for (int s = 0; s < 8; ++s) {
+        sc[s] = iq4_xs_scale(b, s);
+        mn[s] = 0;
+    }
+    *d = f16(b);
+    *dmin = 0.0f;
 }
 
 /* Batched products (T >= 8 for the K-quants, T >= 16 for the 32-blocks) as register-blocked panels: PR weight
@@ -1340,6 +1461,12 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
         for (idx_t o = 0; o < n_out; ++o)
             for (idx_t t = 0; t < T; ++t)
                 Y[t * n_out + o] = GgmlDot<Q>::dot(W + o * rb, nb, a.q + t * n_in, a.d + t * nb, a.s16 + t * (n_in / 16));
+        free(a.mem);
+        return 0;
+    }
+    if (T == 1 && OneRowDot<Q>::EXACT) {
+#pragma omp parallel for schedule(static) if (threaded)
+        for (idx_t o = 0; o < n_out; ++o) Y[o] = OneRowDot<Q>::dot(W + o * rb, nb, a.q, a.d);
         free(a.mem);
         return 0;
     }
