@@ -139,6 +139,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         n_layer=n_layer,
     )
     mixers = _layer_mixers(family, arch, extra, n_layer)
+    ffns = _layer_ffns(family, arch, extra, n_layer)
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
     # no family name in general.name: llama.cpp keys tokenizer quirks on it (a "phi3" name expects </s>)
@@ -207,7 +208,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     for t in (t for t in wanted if not t.per_layer):
         w.add_tensor(t.name, scaled(t, t.name))
     for il in range(n_layer):
-        for t in (t for t in wanted if t.per_layer and (t.mixer is None or t.mixer == mixers[il])):
+        for t in (t for t in wanted if t.per_layer and t.mixer in (None, mixers[il]) and t.ffn in (None, ffns[il])):
             w.add_tensor(t.name.format(il=il), scaled(t, t.name.format(il=il)))
 
     w.write_header_to_file()
@@ -221,9 +222,19 @@ def _layer_mixers(family, arch: str, metadata: dict, n_layer: int) -> list[str]:
     """How each layer mixes tokens, as the family reads it from the metadata this fixture writes."""
     if family.layer_mixers is None:
         return ["attention"] * n_layer
+    return family.layer_mixers(_fixture_hparams(arch, metadata), n_layer)
+
+
+def _layer_ffns(family, arch: str, metadata: dict, n_layer: int) -> list[str | None]:
+    """Each layer's FFN kind, as the family reads it from this metadata (None: the family has one kind)."""
+    if family.layer_ffns is None:
+        return [None] * n_layer
+    return family.layer_ffns(_fixture_hparams(arch, metadata), n_layer)
+
+
+def _fixture_hparams(arch: str, metadata: dict) -> Hparams:
     values = {f"{arch}.{k}": np.array(v) if isinstance(v, tuple) else v for k, v in metadata.items()}
-    facts = SimpleNamespace(path="<fixture>", metadata=values, tensors={})
-    return family.layer_mixers(Hparams(facts, arch), n_layer)
+    return Hparams(SimpleNamespace(path="<fixture>", metadata=values, tensors={}), arch)
 def _expert_dims(family, metadata: dict, cfg: FixtureConfig) -> tuple[int, int]:
     """(n_expert, n_ff_exp) as the family reads them from this metadata (0, 0 for a dense fixture)."""
     n_expert = int(metadata.get("expert_count", 0))

@@ -185,6 +185,8 @@ class RouterSpec:
     gating: Gating = Gating.SOFTMAX
     normalize: bool = True
     weight_scale: float = 1.0
+    # exp_probs_b.bias (n_expert,): added to the scores to choose the experts; the weights are the unbiased scores
+    selection_bias: str | None = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,15 @@ def test_concurrent_inference_equals_sequential(llama_model):
 # decode (2, 1), decode (4, 1) or prefill (1, 4). The gemma3 fixture has a sliding window of 8 on layer 0
 # (ring of 8 + 4 rows), so sequences of 13-27 tokens wrap it.
 CAPACITY = 32
-SLOT_CASES = [("gemma3", "Q8_0", "c"), ("gemma3", "Q8_0", "numba"), ("qwen2", "F32", "c"), ("qwen2", "F32", "numba")]
+SLOT_CASES = [
+    ("gemma3", "Q8_0", "c"),
+    ("gemma3", "Q8_0", "numba"),
+    ("qwen2", "F32", "c"),
+    ("qwen2", "F32", "numba"),
+    # the temperature factor by position; dense and expert layers beside convolutions
+    ("mistral3", "F32", "c"),
+    ("lfm2moe", "F32", "c"),
+]
 
 
 @pytest.fixture(scope="session")

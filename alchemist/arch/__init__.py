@@ -17,6 +17,7 @@ from alchemist.arch import (
     granite,
     internlm2,
     lfm2,
+    lfm2moe,
     llama,
     mistral3,
     olmo2,
@@ -58,6 +59,7 @@ FAMILY_MODULES = (
     gpt_oss,
     gemma3n,
     mistral3,
+    lfm2moe,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

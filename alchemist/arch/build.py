@@ -96,17 +96,23 @@ def _attention_kv_heads(facts: GGUFFacts, hp: Hparams, n_head: int, mixers: list
 
 
 def bind_tensors(
-    facts: GGUFFacts, family: Family, dims: Dims, n_layer: int, mixers: list[str] | None = None
+    facts: GGUFFacts,
+    family: Family,
+    dims: Dims,
+    n_layer: int,
+    mixers: list[str] | None = None,
+    ffns: list[str] | None = None,
 ) -> dict[str, TensorBinding]:
     """Every tensor of the file bound to its table entry, checked for shape; missing or unknown ones refused.
-    A per-layer entry of one token mixer (a hybrid's) belongs to the layers of `mixers` that mix that way."""
+    A per-layer entry of one token mixer (a hybrid's) belongs to the layers of `mixers` that mix that way, one of
+    an FFN kind to the layers of `ffns` with that FFN."""
     bindings: dict[str, TensorBinding] = {}
     missing: list[str] = []
     chosen = chosen_alternatives(facts, family)
     for spec in family.tensors:
         if spec.alternative and spec.alternative not in chosen:
             continue  # the other alternative's tensors are unknown to this file's model
-        layers = [il for il in range(n_layer) if spec.mixer is None or mixers and mixers[il] == spec.mixer]
+        layers = [il for il in range(n_layer) if _in_layer(spec, il, mixers, ffns)]
         names = [spec.name.format(il=il) for il in layers] if spec.per_layer else [spec.name]
         present = [n for n in names if n in facts.tensors]
         if spec.required:
@@ -128,6 +134,13 @@ def bind_tensors(
         )
         raise UnsupportedModelError(f"{facts.path}: tensors the {family.name} family does not know: {shown}")
     return bindings
+
+
+def _in_layer(spec: TensorSpec, il: int, mixers: list[str] | None, ffns: list[str] | None) -> bool:
+    """Whether layer il has the per-layer tensor `spec` (by its token mixer and its FFN kind)."""
+    return (spec.mixer is None or bool(mixers) and mixers[il] == spec.mixer) and (
+        spec.ffn is None or bool(ffns) and ffns[il] == spec.ffn
+    )
 
 
 def chosen_alternatives(facts: GGUFFacts, family: Family) -> set[str]:
@@ -220,21 +233,23 @@ def norm_spec(kind: NormKind, bound: set[str], weight: str, prefix: str = "") ->
     return NormSpec(kind, weight, bias if prefix + bias in bound else None)
 
 
-def experts(facts: GGUFFacts, hp: Hparams, family: Family) -> RouterSpec | None:
+def experts(facts: GGUFFacts, hp: Hparams, family: Family, router_layer: int = 0) -> RouterSpec | None:
     """The router of a mixture-of-experts file (expert_count > 0), None for a dense one. Every layer is then
-    a mixture, as in llama.cpp (its expert tensors are required by the family's table)."""
+    a mixture, as in llama.cpp (its expert tensors are required by the family's table), or, in a family with
+    per-layer FFN kinds, every "moe" layer (the first of them: router_layer)."""
     n_expert = hp.int("expert_count", default=0)
     routed = any(spec.suffix == "ffn_gate_inp.weight" for spec in family.tensors)
+    router = f"blk.{router_layer}.ffn_gate_inp.weight"
     if n_expert == 0:
-        if routed and "blk.0.ffn_gate_inp.weight" in facts.tensors:
+        if routed and router in facts.tensors:
             raise GGUFError(facts.path, f"{family.name}.expert_count", "missing or 0, but the file has expert tensors")
         return None
     if not routed:
         raise UnsupportedModelError(f"{facts.path}: {family.name} mixture-of-experts models are not supported")
-    if "blk.0.ffn_gate_inp.weight" not in facts.tensors:
+    if router not in facts.tensors:
         raise UnsupportedModelError(
             f"{facts.path}: {family.name}.expert_count is {n_expert}, but the file has no mixture-of-experts router "
-            "(blk.0.ffn_gate_inp.weight)"
+            f"({router})"
         )
     n_used = hp.int("expert_used_count", default=0)
     if not 1 <= n_used <= n_expert:
@@ -244,7 +259,7 @@ def experts(facts: GGUFFacts, hp: Hparams, family: Family) -> RouterSpec | None:
         n_expert=n_expert,
         n_expert_used=n_used,
         weight="ffn_gate_inp.weight",
-        gating=moe.gating,
+        gating=moe.gating_from(hp) if moe.gating_from else moe.gating,
         normalize=moe.normalize,
         weight_scale=moe.weight_scale(hp),
     )
@@ -256,13 +271,14 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     dims = read_dims(facts, hp, mixers)
     n_layer = hp.int("block_count", minimum=1)
     norm_eps = hp.float(EPS_KEYS[family.norm], positive=True)
-    router = experts(facts, hp, family)
+    ffns = family.layer_ffns(hp, n_layer) if family.layer_ffns else None
+    router = experts(facts, hp, family, ffns.index("moe") if ffns and "moe" in ffns else 0)
     if router:
         n_ff_exp = family.moe.expert_width(hp, router.n_expert_used)
         if n_ff_exp < 1:
             raise GGUFError(facts.path, f"{family.name}.expert_feed_forward_length", f"must be >= 1, got {n_ff_exp}")
         dims = dataclasses.replace(dims, n_expert=router.n_expert, n_ff_exp=n_ff_exp)
-    bindings = bind_tensors(facts, family, dims, n_layer, mixers)
+    bindings = bind_tensors(facts, family, dims, n_layer, mixers, ffns)
     bound = set(bindings)
     table = {spec.suffix: spec for spec in family.tensors}
 
@@ -274,12 +290,13 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     swa_rope = family.swa_rope(hp, rope_base, rope_fields["freq_scale"]) if family.swa_rope else None
     score_scale = family.score_scale(hp, dims.head_dim)
     temperature = family.attn_temperature(hp)
-    # a block tensor's presence is read in the first layer that can have it (a hybrid's first of its mixer)
-    first_of = {mixer: mixers.index(mixer) for mixer in dict.fromkeys(mixers)} if mixers else {}
-
+    # a block tensor's presence is read in the first layer that can have it (a hybrid's first of its mixer, the
+    # first of its FFN kind)
     def first_layer(suffix: str) -> int:
         spec = table.get(suffix)
-        return first_of.get(spec.mixer, 0) if spec is not None and spec.mixer else 0
+        if spec is None:
+            return 0
+        return next((il for il in range(n_layer) if _in_layer(spec, il, mixers, ffns)), 0)
 
     layer0 = {
         spec.suffix
@@ -297,28 +314,42 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     qk_scope = QKNormScope.HEAD
     if "attn_q_norm.weight" in layer0 and table["attn_q_norm.weight"].shape == ("n_q",):
         qk_scope = QKNormScope.FULL
-    if router:
-        mlp_kind = MLPKind.MOE
-    elif "ffn_gate.weight" in layer0:
-        mlp_kind = MLPKind.GATED
-    elif table["ffn_up.weight"].shape[0] == "n_ff2":
-        mlp_kind = MLPKind.FUSED_GATED
+    def mlp_spec(routed: bool) -> MLPSpec:
+        if routed:
+            kind = MLPKind.MOE
+        elif "ffn_gate.weight" in layer0:
+            kind = MLPKind.GATED
+        elif table["ffn_up.weight"].shape[0] == "n_ff2":
+            kind = MLPKind.FUSED_GATED
+        else:
+            kind = MLPKind.PLAIN
+        # dense and expert MLPs bind the same tensors, the experts' with an _exps suffix and a router
+        exps = "_exps" if routed else ""
+        return MLPSpec(
+            kind=kind,
+            activation=family.activation,
+            n_ff=dims.n_ff_exp if routed else dims.n_ff,
+            up=f"ffn_up{exps}.weight",
+            down=f"ffn_down{exps}.weight",
+            gate=present(f"ffn_gate{exps}.weight"),
+            up_bias=present(f"ffn_up{exps}.bias"),
+            down_bias=present(f"ffn_down{exps}.bias"),
+            gate_bias=present(f"ffn_gate{exps}.bias"),
+            router=(
+                dataclasses.replace(
+                    router, bias=present("ffn_gate_inp.bias"), selection_bias=present("exp_probs_b.bias")
+                )
+                if routed
+                else None
+            ),
+        )
+
+    # per layer its FFN: one kind everywhere, or (a family with layer_ffns) dense and expert layers
+    if ffns is None:
+        mlp_of = [mlp_spec(router is not None)] * n_layer
     else:
-        mlp_kind = MLPKind.PLAIN
-    # dense and expert MLPs bind the same tensors, the experts' with an _exps suffix and a router
-    exps = "_exps" if router else ""
-    mlp = MLPSpec(
-        kind=mlp_kind,
-        activation=family.activation,
-        n_ff=dims.n_ff_exp if router else dims.n_ff,
-        up=f"ffn_up{exps}.weight",
-        down=f"ffn_down{exps}.weight",
-        gate=present(f"ffn_gate{exps}.weight"),
-        up_bias=present(f"ffn_up{exps}.bias"),
-        down_bias=present(f"ffn_down{exps}.bias"),
-        gate_bias=present(f"ffn_gate{exps}.bias"),
-        router=dataclasses.replace(router, bias=present("ffn_gate_inp.bias")) if router else None,
-    )
+        kinds = {kind: mlp_spec(kind == "moe" and router is not None) for kind in dict.fromkeys(ffns)}
+        mlp_of = [kinds[kind] for kind in ffns]
     conv = None
     if mixers and "conv" in mixers:
         conv = ShortConvSpec(
@@ -340,7 +371,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                     index=il,
                     wiring=wiring,
                     attention=None,
-                    mlp=mlp,
+                    mlp=mlp_of[il],
                     attn_norm=block_norm("attn_norm.weight"),
                     ffn_norm=ffn_norm,
                     attn_post_norm=attn_post_norm,
@@ -388,7 +419,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                 index=il,
                 wiring=wiring,
                 attention=attention,
-                mlp=mlp,
+                mlp=mlp_of[il],
                 attn_norm=block_norm("attn_norm.weight"),
                 ffn_norm=ffn_norm,
                 attn_post_norm=attn_post_norm,

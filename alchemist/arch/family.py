@@ -174,6 +174,8 @@ class ExpertRouting:
     rather than reading it from the file; used when the file has a router (ffn_gate_inp)."""
 
     gating: Gating = Gating.SOFTMAX
+    # (hp) -> the gating, where the file says it (expert_gating_func); default: `gating`
+    gating_from: Callable[[Hparams], Gating] | None = None
     normalize: bool = True  # renormalize the chosen experts' weights to sum 1
     weight_scale: Callable[[Hparams], float] = lambda hp: 1.0  # multiplies the weights (expert_weights_scale)
     # (hp, n_expert_used) -> each expert's FFN width
@@ -234,6 +236,9 @@ class Family:
     # (hp, n_layer) -> per layer how it mixes tokens, "attention" or "conv" (default: attention everywhere);
     # a table entry with a `mixer` exists only in the layers that mix that way
     layer_mixers: Callable[[Hparams, int], list[str]] | None = None
+    # (hp, n_layer) -> per layer its FFN, "dense" or "moe" (default: one kind in every layer, by the file's
+    # tensors); a table entry with an `ffn` exists only in the layers whose FFN is of that kind
+    layer_ffns: Callable[[Hparams, int], list[str]] | None = None
     output_norm: str = "output_norm.weight"  # the final norm's tensor (lfm2: token_embd_norm.weight)
     # (alchemist's tap name, llama.cpp's name for that tensor) where src/models/<family>.cpp names its
     # intermediates its own way; a name llama.cpp uses for another tensor must be mapped away from it

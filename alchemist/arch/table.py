@@ -24,6 +24,7 @@ class TensorSpec:
     shape: tuple[str, ...]  # dimension names, numpy order
     required: bool = True
     mixer: str | None = None  # per-layer tensor of only the layers that mix tokens this way ("attention", "conv")
+    ffn: str | None = None  # per-layer tensor of only the layers whose FFN is of this kind ("dense", "moe")
     # one of a family's alternatives for a component ("dense" or "moe" FFN): required only in files that have
     # that alternative (the file's layer 0 holds one of its tensors); "" for a tensor of every file
     alternative: str = ""
@@ -164,6 +165,11 @@ def only_in(mixer: str, *specs: TensorSpec) -> tuple[TensorSpec, ...]:
     return tuple(replace(s, mixer=mixer) for s in specs)
 
 
+def only_in_ffn(kind: str, *specs: TensorSpec) -> tuple[TensorSpec, ...]:
+    """Per-layer tensors that only the layers whose FFN is `kind` have (leading dense layers before experts)."""
+    return tuple(replace(s, ffn=kind) for s in specs)
+
+
 # lfm2: attention layers (head-wise q/k norms) and gated short-convolution layers; its final norm is
 # token_embd_norm.weight
 TOKEN_EMBD_NORM = (T("token_embd_norm.weight", "norm", "n_embd"),)
@@ -189,6 +195,8 @@ FFN_MOE = (
     T(_blk("ffn_down_exps.weight"), "experts", "n_expert", "n_embd", "n_ff_exp"),
 )
 FFN_MOE_ROUTER_BIAS = (T(_blk("ffn_gate_inp.bias"), "bias", "n_expert"),)
+# added to the gating scores to choose the experts, not to the weights they get (DeepSeek V3's lineage, lfm2moe)
+FFN_EXP_PROBS_B = (T(_blk("exp_probs_b.bias"), "bias", "n_expert"),)
 FFN_MOE_BIAS = (  # one bias row per expert
     T(_blk("ffn_gate_exps.bias"), "bias", "n_expert", "n_ff_exp"),
     T(_blk("ffn_up_exps.bias"), "bias", "n_expert", "n_ff_exp"),

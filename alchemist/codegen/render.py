@@ -20,7 +20,17 @@ import libcst
 from alchemist.version import __version__
 from alchemist import ir as ir_module
 from alchemist.errors import UnsupportedModelError
-from alchemist.ir import Activation, LayerSpec, MLPKind, ModelIR, QKNormScope, RopeScaling, RopeStyle, Wiring
+from alchemist.ir import (
+    Activation,
+    LayerSpec,
+    MLPKind,
+    MLPSpec,
+    ModelIR,
+    QKNormScope,
+    RopeScaling,
+    RopeStyle,
+    Wiring,
+)
 
 # An installed wheel ships the templates as alchemist/templates (see setup.py); a source checkout (editable
 # install) keeps the one copy in the top-level templates/ folder.
@@ -106,9 +116,10 @@ def check_renderable(ir: ModelIR) -> None:
     if not IDENTIFIER.match(ir.architecture):
         raise UnsupportedModelError(f"architecture name {ir.architecture!r} is not a valid identifier")
     first = ir.layers[0]
-    mixers = {}  # the first layer of each token mixer: a hybrid's layers agree with the first of their kind
+    # the first layer of each token mixer and FFN kind: a hybrid's layers agree with the first of their kind
+    mixers = {}
     for lay in ir.layers:
-        ref = mixers.setdefault(lay.attention is None, lay)
+        ref = mixers.setdefault((lay.attention is None, lay.mlp.router is not None), lay)
         if _structure(lay) != _structure(ref) or _mixerless(lay) != _mixerless(first):
             raise UnsupportedModelError(
                 f"{ir.source_file}: layer {lay.index} differs from layer {ref.index} in more than its window and RoPE "
@@ -116,7 +127,7 @@ def check_renderable(ir: ModelIR) -> None:
             )
     if not ir.attention_layers:
         raise UnsupportedModelError(f"{ir.source_file}: the templates need at least one attention layer")
-    att, mlp = ir.attention_layers[0].attention, first.mlp
+    att = ir.attention_layers[0].attention
     problems = []
     conv = _conv(ir)
     if any((lay.attention is None) != (lay.conv is not None) for lay in ir.layers):
@@ -141,16 +152,22 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("attention biases that do not match its projections")
     if bool(att.q_norm) != bool(att.k_norm):
         problems.append("a q norm without a k norm (or the reverse)")
-    if (mlp.kind is MLPKind.MOE) != bool(mlp.router):
-        problems.append("a mixture of experts without a router (or a router outside one)")
-    if (
-        mlp.kind is not MLPKind.MOE
-        and (mlp.kind is MLPKind.GATED) != bool(mlp.gate)
-        or (mlp.gate_bias and not mlp.gate)
-    ):
-        problems.append(f"a {mlp.kind.value} MLP with{'out' if not mlp.gate else ''} a gate tensor")
-    if mlp.activation is Activation.SWIGLU_OAI and not (mlp.kind is MLPKind.MOE and mlp.gate):
-        problems.append("swiglu_oai outside a gated mixture of experts")
+    for mlp in dict.fromkeys(lay.mlp for lay in ir.layers):
+        if (mlp.kind is MLPKind.MOE) != bool(mlp.router):
+            problems.append("a mixture of experts without a router (or a router outside one)")
+        if mlp.kind is not MLPKind.MOE and (mlp.kind is MLPKind.GATED) != bool(mlp.gate) or (
+            mlp.gate_bias and not mlp.gate
+        ):
+            problems.append(f"a {mlp.kind.value} MLP with{'out' if not mlp.gate else ''} a gate tensor")
+        if mlp.activation is Activation.SWIGLU_OAI and not (mlp.kind is MLPKind.MOE and mlp.gate):
+            problems.append("swiglu_oai outside a gated mixture of experts")
+    dense, moe = _ffn_kinds(ir)
+    if dense and moe and (dense.kind is not MLPKind.GATED or dense.activation is not moe.activation):
+        problems.append("dense layers beside expert layers need a gated MLP of the same activation")
+    if dense and moe and (ir.altup is not None or any(lay.mlp.sparsity_std for lay in ir.layers)):
+        problems.append("dense layers beside expert layers in the AltUp block or with activation sparsity")
+    if dense and moe and first.wiring is not Wiring.SEQUENTIAL:
+        problems.append("dense layers beside expert layers in a parallel block")
     if first.wiring is Wiring.PARALLEL and (first.attn_norm is None or first.attn_post_norm or first.ffn_post_norm):
         problems.append("a parallel block needs an input norm and has no post-norms")
     if att.group_size * att.n_kv_head != att.n_head:
@@ -164,8 +181,15 @@ RENDERABLE_ROPE_SCALING = tuple(RopeScaling)
 
 
 def _mixerless(layer: LayerSpec) -> LayerSpec:
-    """What every layer of a hybrid shares: all but its token mixer."""
-    return dataclasses.replace(_structure(layer), attention=None, conv=None)
+    """What every layer of a hybrid shares: all but its token mixer and its FFN (checked per kind)."""
+    return dataclasses.replace(_structure(layer), attention=None, conv=None, mlp=None)
+
+
+def _ffn_kinds(ir: ModelIR) -> tuple[MLPSpec | None, MLPSpec | None]:
+    """(the dense layers' MLP, the expert layers' MLP), None where the model has no such layer."""
+    dense = next((lay.mlp for lay in ir.layers if lay.mlp.router is None), None)
+    moe = next((lay.mlp for lay in ir.layers if lay.mlp.router is not None), None)
+    return dense, moe
 
 
 def _conv(ir: ModelIR):
@@ -214,6 +238,8 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
     """(name, value, comment) for every configuration constant of the generated module, in file order."""
     first = ir.layers[0]
     att, mlp = ir.attention_layers[0].attention, first.mlp
+    dense, moe = _ffn_kinds(ir)
+    mixed = dense is not None and moe is not None
     style = _rope_style(ir)
     rows = [
         ("ARCHITECTURE", ir.architecture, ""),
@@ -229,11 +255,15 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         ("NORM_EPS", ir.norm_eps, ""),
         ("SCORE_SCALE", att.score_scale, "multiplies q·k before the softmax"),
     ]
-    if mlp.router:
-        rows.append(("N_EXPERT", mlp.router.n_expert, "experts per layer, each an MLP of width N_FF"))
-        rows.append(("N_EXPERT_USED", mlp.router.n_expert_used, "experts each token is routed to"))
-        if mlp.router.weight_scale != 1.0:
-            rows.append(("EXPERT_WEIGHT_SCALE", mlp.router.weight_scale, "multiplies the routing weights"))
+    if mixed:
+        rows.append(("N_FF_EXP", moe.n_ff, "each expert's MLP width"))
+        rows.append(("MOE_LAYERS", tuple(lay.mlp.router is not None for lay in ir.layers), "per layer: experts"))
+    if moe:
+        width = "N_FF_EXP" if mixed else "N_FF"
+        rows.append(("N_EXPERT", moe.router.n_expert, f"experts per layer, each an MLP of width {width}"))
+        rows.append(("N_EXPERT_USED", moe.router.n_expert_used, "experts each token is routed to"))
+        if moe.router.weight_scale != 1.0:
+            rows.append(("EXPERT_WEIGHT_SCALE", moe.router.weight_scale, "multiplies the routing weights"))
     if att.temperature:
         t = att.temperature
         rows.append(("ATTN_TEMPERATURE_SCALE", t.scale, "q · (log(floor((p + offset) / length) + 1) · scale + 1)"))
@@ -371,7 +401,9 @@ def template_context(ir: ModelIR) -> dict:
         rope_attn_factor=att.rope.attn_factor,
         layer=first,
         att=att,
-        mlp=first.mlp,
+        mlp=_ffn_kinds(ir)[0] if None not in _ffn_kinds(ir) else first.mlp,  # the dense one beside experts
+        moe=_ffn_kinds(ir)[1],
+        mixed_ffn=None not in _ffn_kinds(ir),
         embedding=ir.embedding,
         output=ir.output,
         tensors=ir.tensors,
@@ -387,7 +419,7 @@ def _primitives(ir: ModelIR, style: RopeStyle, norm_kinds: list[str]) -> list[st
 
     defined = {"project", "causal_attention", ACTIVATION_FUNCTIONS[ir.layers[0].mlp.activation]}
     defined |= {f"{kind}_norm" for kind in norm_kinds}
-    if ir.layers[0].mlp.router:
+    if _ffn_kinds(ir)[1] is not None:
         defined.add("project_experts")
     if style is not RopeStyle.NONE:
         defined |= {"rope_angles", "rope"}

@@ -70,10 +70,17 @@ def quirks(ir: ModelIR) -> list[str]:
             out.append(f"{att.rope.scaling.value} RoPE scaling")
     if any(x.attention.sliding_window for x in ir.attention_layers):
         out.append("sliding window")
-    if mlp.router:
-        r = mlp.router
-        act = "" if mlp.activation.value == "silu" else f", {mlp.activation.value}"
-        out.append(f"mixture of experts ({r.n_expert} experts, top-{r.n_expert_used}, {r.gating.value} router{act})")
+    moe = next((x.mlp for x in ir.layers if x.mlp.router), None)
+    if moe:
+        r = moe.router
+        act = "" if moe.activation.value == "silu" else f", {moe.activation.value}"
+        n_dense = sum(x.mlp.router is None for x in ir.layers)
+        where = f" after {n_dense} dense layer{'s' if n_dense > 1 else ''}" if n_dense else ""
+        bias = ", selection bias" if r.selection_bias else ""
+        out.append(
+            f"mixture of experts ({r.n_expert} experts, top-{r.n_expert_used}, {r.gating.value} router{bias}{act})"
+            + where
+        )
     elif mlp.kind is not MLPKind.GATED or mlp.activation.value != "silu":
         out.append(f"{mlp.kind.value.replace('_', ' ')} {mlp.activation.value} MLP")
     if mlp.up_bias:
