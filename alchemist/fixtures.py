@@ -123,7 +123,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     n_layer = cfg.n_layer or spec.n_layer
     rng = np.random.default_rng(cfg.seed)
     extra = dict(spec.metadata + cfg.metadata)
-    n_expert, n_ff_exp = _expert_dims(family, extra, cfg)
+    n_expert, n_ff_exp, n_ff_shexp = _expert_dims(family, extra, cfg)
     dims = Dims(
         n_vocab=cfg.n_vocab,
         n_embd=cfg.n_embd,
@@ -136,10 +136,12 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         conv_kernel=int(extra.get("shortconv.l_cache", 0)),
         n_expert=n_expert,
         n_ff_exp=n_ff_exp,
+        n_ff_shexp=n_ff_shexp,
         n_layer=n_layer,
     )
     mixers = _layer_mixers(family, arch, extra, n_layer)
     ffns = _layer_ffns(family, arch, extra, n_layer)
+    n_main = n_layer - (family.mtp_layers(_fixture_hparams(arch, extra)) if family.mtp_layers else 0)
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
     # no family name in general.name: llama.cpp keys tokenizer quirks on it (a "phi3" name expects </s>)
@@ -208,7 +210,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     for t in (t for t in wanted if not t.per_layer):
         w.add_tensor(t.name, scaled(t, t.name))
     for il in range(n_layer):
-        for t in (t for t in wanted if t.per_layer and t.mixer in (None, mixers[il]) and t.ffn in (None, ffns[il])):
+        in_layer = (t for t in wanted if t.per_layer and t.mixer in (None, mixers[il]) and t.ffn in (None, ffns[il]))
+        for t in (t for t in in_layer if il >= n_main or not t.mtp):
             w.add_tensor(t.name.format(il=il), scaled(t, t.name.format(il=il)))
 
     w.write_header_to_file()
@@ -235,14 +238,15 @@ def _layer_ffns(family, arch: str, metadata: dict, n_layer: int) -> list[str | N
 def _fixture_hparams(arch: str, metadata: dict) -> Hparams:
     values = {f"{arch}.{k}": np.array(v) if isinstance(v, tuple) else v for k, v in metadata.items()}
     return Hparams(SimpleNamespace(path="<fixture>", metadata=values, tensors={}), arch)
-def _expert_dims(family, metadata: dict, cfg: FixtureConfig) -> tuple[int, int]:
-    """(n_expert, n_ff_exp) as the family reads them from this metadata (0, 0 for a dense fixture)."""
+def _expert_dims(family, metadata: dict, cfg: FixtureConfig) -> tuple[int, int, int]:
+    """(n_expert, n_ff_exp, n_ff_shexp) as the family reads them from this metadata (zeros for a dense fixture)."""
     n_expert = int(metadata.get("expert_count", 0))
     if not n_expert:
-        return 0, 0
+        return 0, 0, 0
     meta = {f"{family.name}.{k}": v for k, v in metadata.items()} | {f"{family.name}.feed_forward_length": cfg.n_ff}
     hp = Hparams(SimpleNamespace(path="<fixture>", metadata=meta, tensors={}), family.name)
-    return n_expert, family.moe.expert_width(hp, int(metadata["expert_used_count"]))
+    n_ff_exp = family.moe.expert_width(hp, int(metadata["expert_used_count"]))
+    return n_expert, n_ff_exp, family.moe.shared_width(hp, n_ff_exp)
 
 
 def _write_vocab(w: gguf.GGUFWriter, kind: str, n_vocab: int) -> None:

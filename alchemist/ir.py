@@ -205,6 +205,8 @@ class MLPSpec:
     # activation sparsity (gemma3n): gate <- relu(gate - (mean + sparsity_std · std)) per token before the
     # activation, std with n - 1; 0: dense
     sparsity_std: float = field(default=0.0, metadata=LATER)
+    # MOE: the shared expert, a dense MLP (ffn_*_shexp) every token goes through, added to the routed experts' sum
+    shared: "MLPSpec | None" = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True)

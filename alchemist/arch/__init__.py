@@ -12,6 +12,7 @@ from alchemist.arch import (
     gemma2,
     gemma3,
     gemma3n,
+    glm4moe,
     gpt2,
     gpt_oss,
     granite,
@@ -60,6 +61,7 @@ FAMILY_MODULES = (
     gemma3n,
     mistral3,
     lfm2moe,
+    glm4moe,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

@@ -102,17 +102,20 @@ def bind_tensors(
     n_layer: int,
     mixers: list[str] | None = None,
     ffns: list[str] | None = None,
+    n_main: int | None = None,
 ) -> dict[str, TensorBinding]:
     """Every tensor of the file bound to its table entry, checked for shape; missing or unknown ones refused.
     A per-layer entry of one token mixer (a hybrid's) belongs to the layers of `mixers` that mix that way, one of
-    an FFN kind to the layers of `ffns` with that FFN."""
+    an FFN kind to the layers of `ffns` with that FFN. Of the n_layer blocks, those from n_main on are
+    multi-token-prediction layers: they hold the NextN entries too, and are bound as tensors nothing reads."""
+    n_main = n_layer if n_main is None else n_main
     bindings: dict[str, TensorBinding] = {}
     missing: list[str] = []
     chosen = chosen_alternatives(facts, family)
     for spec in family.tensors:
         if spec.alternative and spec.alternative not in chosen:
             continue  # the other alternative's tensors are unknown to this file's model
-        layers = [il for il in range(n_layer) if _in_layer(spec, il, mixers, ffns)]
+        layers = [il for il in range(n_layer) if _in_layer(spec, il, mixers, ffns) and (il >= n_main or not spec.mtp)]
         names = [spec.name.format(il=il) for il in layers] if spec.per_layer else [spec.name]
         present = [n for n in names if n in facts.tensors]
         if spec.required:
@@ -122,8 +125,10 @@ def bind_tensors(
                 f"{facts.path}: {spec.suffix} is present in {len(present)} of {len(names)} layers; "
                 "optional tensors must be in every layer or none"
             )
-        for name in present:
-            bindings[name] = _binding(facts, name, spec, dims.resolve(spec.shape))
+        for name, il in zip(names, layers if spec.per_layer else [0]):
+            if name in present:
+                binding = _binding(facts, name, spec, dims.resolve(spec.shape))
+                bindings[name] = dataclasses.replace(binding, read=False) if spec.per_layer and il >= n_main else binding
     if missing:
         shown = ", ".join(missing[:12]) + (f" … and {len(missing) - 12} more" if len(missing) > 12 else "")
         raise UnsupportedModelError(f"{facts.path}: {family.name} model is missing tensors: {shown}")
@@ -260,7 +265,7 @@ def experts(facts: GGUFFacts, hp: Hparams, family: Family, router_layer: int = 0
         n_expert_used=n_used,
         weight="ffn_gate_inp.weight",
         gating=moe.gating_from(hp) if moe.gating_from else moe.gating,
-        normalize=moe.normalize,
+        normalize=moe.normalize_from(hp) if moe.normalize_from else moe.normalize,
         weight_scale=moe.weight_scale(hp),
     )
 
@@ -269,16 +274,21 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     hp = Hparams(facts, family.name)
     mixers = family.layer_mixers(hp, hp.int("block_count", minimum=1)) if family.layer_mixers else None
     dims = read_dims(facts, hp, mixers)
-    n_layer = hp.int("block_count", minimum=1)
+    n_blocks = hp.int("block_count", minimum=1)
+    n_mtp = family.mtp_layers(hp) if family.mtp_layers else 0
+    if not 0 <= n_mtp < n_blocks:
+        raise GGUFError(facts.path, f"{family.name}.nextn_predict_layers", f"{n_mtp} of {n_blocks} blocks")
+    n_layer = n_blocks - n_mtp  # the layers the model applies
     norm_eps = hp.float(EPS_KEYS[family.norm], positive=True)
-    ffns = family.layer_ffns(hp, n_layer) if family.layer_ffns else None
+    ffns = family.layer_ffns(hp, n_blocks) if family.layer_ffns else None
     router = experts(facts, hp, family, ffns.index("moe") if ffns and "moe" in ffns else 0)
     if router:
         n_ff_exp = family.moe.expert_width(hp, router.n_expert_used)
         if n_ff_exp < 1:
             raise GGUFError(facts.path, f"{family.name}.expert_feed_forward_length", f"must be >= 1, got {n_ff_exp}")
-        dims = dataclasses.replace(dims, n_expert=router.n_expert, n_ff_exp=n_ff_exp)
-    bindings = bind_tensors(facts, family, dims, n_layer, mixers, ffns)
+        n_ff_shexp = family.moe.shared_width(hp, n_ff_exp)
+        dims = dataclasses.replace(dims, n_expert=router.n_expert, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp)
+    bindings = bind_tensors(facts, family, dims, n_blocks, mixers, ffns, n_main=n_layer)
     bound = set(bindings)
     table = {spec.suffix: spec for spec in family.tensors}
 
@@ -342,6 +352,18 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                 if routed
                 else None
             ),
+            shared=shared if routed else None,
+        )
+
+    shared = None
+    if router and present("ffn_up_shexp.weight"):
+        shared = MLPSpec(
+            kind=MLPKind.GATED,
+            activation=family.activation,
+            n_ff=dims.n_ff_shexp,
+            up="ffn_up_shexp.weight",
+            down="ffn_down_shexp.weight",
+            gate="ffn_gate_shexp.weight",
         )
 
     # per layer its FFN: one kind everywhere, or (a family with layer_ffns) dense and expert layers

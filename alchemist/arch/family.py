@@ -177,9 +177,12 @@ class ExpertRouting:
     # (hp) -> the gating, where the file says it (expert_gating_func); default: `gating`
     gating_from: Callable[[Hparams], Gating] | None = None
     normalize: bool = True  # renormalize the chosen experts' weights to sum 1
+    normalize_from: Callable[[Hparams], bool] | None = None  # (hp) -> normalize, where the file says it
     weight_scale: Callable[[Hparams], float] = lambda hp: 1.0  # multiplies the weights (expert_weights_scale)
     # (hp, n_expert_used) -> each expert's FFN width
     expert_width: Callable[[Hparams, int], int] = expert_width_from_ff
+    # (hp, expert width) -> the shared expert's FFN width, used when the file has ffn_*_shexp tensors
+    shared_width: Callable[[Hparams, int], int] = lambda hp, n_ff_exp: n_ff_exp
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,9 @@ class Family:
     # (hp, n_layer) -> per layer its FFN, "dense" or "moe" (default: one kind in every layer, by the file's
     # tensors); a table entry with an `ffn` exists only in the layers whose FFN is of that kind
     layer_ffns: Callable[[Hparams, int], list[str]] | None = None
+    # (hp) -> how many of the block_count layers are multi-token-prediction layers at the end (NextN), which
+    # llama.cpp loads but never applies: bound as tensors the model does not read
+    mtp_layers: Callable[[Hparams], int] | None = None
     output_norm: str = "output_norm.weight"  # the final norm's tensor (lfm2: token_embd_norm.weight)
     # (alchemist's tap name, llama.cpp's name for that tensor) where src/models/<family>.cpp names its
     # intermediates its own way; a name llama.cpp uses for another tensor must be mapped away from it

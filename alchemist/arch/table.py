@@ -25,6 +25,8 @@ class TensorSpec:
     required: bool = True
     mixer: str | None = None  # per-layer tensor of only the layers that mix tokens this way ("attention", "conv")
     ffn: str | None = None  # per-layer tensor of only the layers whose FFN is of this kind ("dense", "moe")
+    # per-layer tensor of only the multi-token-prediction layers past n_layer (loaded, never applied)
+    mtp: bool = False
     # one of a family's alternatives for a component ("dense" or "moe" FFN): required only in files that have
     # that alternative (the file's layer 0 holds one of its tensors); "" for a tensor of every file
     alternative: str = ""
@@ -57,6 +59,7 @@ class Dims:
     conv_kernel: int = 0  # a short convolution's length (lfm2's shortconv.l_cache)
     n_expert: int = 0  # mixture of experts: experts per layer
     n_ff_exp: int = 0  # mixture of experts: each expert's FFN width
+    n_ff_shexp: int = 0  # mixture of experts: the shared expert's FFN width
     n_layer: int = 0
 
     def resolve(self, shape: tuple[str, ...]) -> tuple[int, ...]:
@@ -70,6 +73,7 @@ class Dims:
             "n_ff2": 2 * self.n_ff,
             "rope_half": self.rope_dim // 2,
             "n_embd3": 3 * self.n_embd,
+            "n_embd2": 2 * self.n_embd,
             # gemma3n's sizes, constants of llama_hparams (n_altup, n_embd_altup, laurel_rank), not metadata
             "n_altup": ALTUP_STREAMS,
             "n_altup_in": ALTUP_STREAMS - 1,
@@ -201,6 +205,24 @@ FFN_MOE_BIAS = (  # one bias row per expert
     T(_blk("ffn_gate_exps.bias"), "bias", "n_expert", "n_ff_exp"),
     T(_blk("ffn_up_exps.bias"), "bias", "n_expert", "n_ff_exp"),
     T(_blk("ffn_down_exps.bias"), "bias", "n_expert", "n_embd"),
+)
+# the shared expert (a dense gated MLP every token goes through beside the routed ones)
+FFN_SHEXP = (
+    T(_blk("ffn_gate_shexp.weight"), "linear", "n_ff_shexp", "n_embd"),
+    T(_blk("ffn_up_shexp.weight"), "linear", "n_ff_shexp", "n_embd"),
+    T(_blk("ffn_down_shexp.weight"), "linear", "n_embd", "n_ff_shexp"),
+)
+# multi-token prediction (NextN) layers past n_layer: a whole block plus these; llama.cpp loads and skips them
+NEXTN = tuple(
+    replace(s, mtp=True)
+    for s in (
+        T(_blk("nextn.eh_proj.weight"), "linear", "n_embd", "n_embd2"),
+        T(_blk("nextn.enorm.weight"), "norm", "n_embd"),
+        T(_blk("nextn.hnorm.weight"), "norm", "n_embd"),
+        T(_blk("nextn.embed_tokens.weight"), "embedding", "n_vocab", "n_embd").optional(),
+        T(_blk("nextn.shared_head_head.weight"), "linear", "n_vocab", "n_embd").optional(),
+        T(_blk("nextn.shared_head_norm.weight"), "norm", "n_embd").optional(),
+    )
 )
 # attention sinks (gpt-oss): one logit per query head, F32
 ATTN_SINKS = (T(_blk("attn_sinks.weight"), "sinks", "n_head"),)

@@ -161,6 +161,8 @@ def check_renderable(ir: ModelIR) -> None:
             problems.append(f"a {mlp.kind.value} MLP with{'out' if not mlp.gate else ''} a gate tensor")
         if mlp.activation is Activation.SWIGLU_OAI and not (mlp.kind is MLPKind.MOE and mlp.gate):
             problems.append("swiglu_oai outside a gated mixture of experts")
+        if mlp.shared and (mlp.shared.kind is not MLPKind.GATED or mlp.activation is Activation.SWIGLU_OAI):
+            problems.append("a shared expert other than a gated MLP, or beside swiglu_oai experts")
     dense, moe = _ffn_kinds(ir)
     if dense and moe and (dense.kind is not MLPKind.GATED or dense.activation is not moe.activation):
         problems.append("dense layers beside expert layers need a gated MLP of the same activation")
@@ -262,6 +264,8 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         width = "N_FF_EXP" if mixed else "N_FF"
         rows.append(("N_EXPERT", moe.router.n_expert, f"experts per layer, each an MLP of width {width}"))
         rows.append(("N_EXPERT_USED", moe.router.n_expert_used, "experts each token is routed to"))
+        if moe.shared:
+            rows.append(("N_FF_SHARED", moe.shared.n_ff, "the shared expert's MLP width"))
         if moe.router.weight_scale != 1.0:
             rows.append(("EXPERT_WEIGHT_SCALE", moe.router.weight_scale, "multiplies the routing weights"))
     if att.temperature:

@@ -76,7 +76,7 @@ def quirks(ir: ModelIR) -> list[str]:
         act = "" if moe.activation.value == "silu" else f", {moe.activation.value}"
         n_dense = sum(x.mlp.router is None for x in ir.layers)
         where = f" after {n_dense} dense layer{'s' if n_dense > 1 else ''}" if n_dense else ""
-        bias = ", selection bias" if r.selection_bias else ""
+        bias = (", selection bias" if r.selection_bias else "") + (", shared expert" if moe.shared else "")
         out.append(
             f"mixture of experts ({r.n_expert} experts, top-{r.n_expert_used}, {r.gating.value} router{bias}{act})"
             + where
@@ -91,6 +91,9 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append(f"AltUp ({ir.altup.n_streams} streams) with per-layer inputs")
     if lay.laurel is not None:
         out.append("LAuReL")
+    n_unread_layers = len({t.name.split(".")[1] for t in ir.tensors if not t.read and t.name.startswith("blk.")})
+    if n_unread_layers and any("nextn." in t.name for t in ir.tensors):
+        out.append(f"{n_unread_layers} multi-token-prediction layer{'s' if n_unread_layers > 1 else ''} (unused)")
     if len(ir.kv_cache_layers) < ir.n_layer:
         out.append("shared KV caches")
     if lay.residual_scale != 1.0:
