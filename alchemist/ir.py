@@ -131,6 +131,8 @@ class AttentionTemperature:
     scale: float
     length: int
     offset: float = 0.0
+    # only the layers without RoPE scale their queries, before llama.cpp names them Qcur (Llama 4)
+    unrotated_only: bool = field(default=False, metadata=LATER)
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,11 @@ class AttentionSpec:
     kv_layer: int | None = field(default=None, metadata=LATER)
     v_norm: NormSpec | None = field(default=None, metadata=LATER)  # normalizes values (gemma3n: no weight)
     temperature: AttentionTemperature | None = field(default=None, metadata=LATER)  # scales q after RoPE
+    # RMS-normalizes q and k per head, without a weight, after RoPE in the layers that rotate (Llama 4's L2 norm)
+    rotated_qk_norm: bool = field(default=False, metadata=LATER)
+    # chunked attention: a query sees only the keys of its own chunk of this many positions (Llama 4's local
+    # layers); 0: none. Rendered as a limit: a cache longer than the chunk is refused, so chunks never split
+    chunk: int = field(default=0, metadata=LATER)
 
     @property
     def group_size(self) -> int:
@@ -187,6 +194,8 @@ class RouterSpec:
     weight_scale: float = 1.0
     # exp_probs_b.bias (n_expert,): added to the scores to choose the experts; the weights are the unbiased scores
     selection_bias: str | None = field(default=None, metadata=LATER)
+    # the routing weight multiplies the token before its expert instead of the expert's output (Llama 4; one expert)
+    weight_inputs: bool = field(default=False, metadata=LATER)
 
 
 @dataclass(frozen=True)

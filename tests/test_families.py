@@ -39,7 +39,7 @@ def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
     wanted = {
         "llama", "qwen2", "qwen3", "gemma3", "gemma", "gemma2", "phi3", "granite", "olmo2", "smollm3",
         "starcoder2", "gpt2", "stablelm", "internlm2", "exaone", "exaone4", "command-r", "cohere2", "lfm2",
-        "qwen3moe", "gpt-oss", "gemma3n", "mistral3", "lfm2moe", "glm4moe",
+        "qwen3moe", "gpt-oss", "gemma3n", "mistral3", "lfm2moe", "glm4moe", "llama4",
     }  # fmt: skip
     assert set(FAMILIES) == set(FAMILY_VALUES) == wanted
     for case in FIXTURES:
@@ -75,10 +75,13 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     assert {c for c, src in sources.items() if "def attention_temperature(" in src} == {"mistral3", "mistral3:yarn"}
     assert "ROPE_GGML_ATTN_FACTOR" in sources["mistral3:yarn"] and "ROPE_GGML_ATTN_FACTOR" not in sources["qwen2:yarn"]
     # llama.cpp's own names for some intermediates: only where the family's graph names them its own way
-    assert {c for c, src in sources.items() if "TAP_NAMES" in src} == {"lfm2", "lfm2:swa", "lfm2moe", "gpt-oss", "glm4moe"}
+    assert {c for c, src in sources.items() if "TAP_NAMES" in src} == {
+        "lfm2", "lfm2:swa", "lfm2moe", "gpt-oss", "glm4moe", "llama4"
+    }  # fmt: skip
     # dense layers beside expert layers: both MLPs, chosen per layer
     assert "def moe(" in sources["lfm2moe"] and "if MOE_LAYERS[il] else mlp(" in sources["lfm2moe"]
-    assert {c for c, src in sources.items() if "MOE_LAYERS" in src} == {"lfm2moe", "glm4moe"}
+    assert {c for c, src in sources.items() if "MOE_LAYERS" in src} == {"lfm2moe", "glm4moe", "llama4"}
+    assert {c for c, src in sources.items() if "ATTENTION_CHUNK" in src} == {"llama4"}
 
 
 def test_quirks_name_what_differs_from_llama(fixture_irs):

@@ -59,6 +59,8 @@ SLOT_CASES = [
     # the temperature factor by position; dense and expert layers beside convolutions
     ("mistral3", "F32", "c"),
     ("lfm2moe", "F32", "c"),
+    # RoPE-less and chunked layers, one expert weighting its input, a shared expert
+    ("llama4", "F32", "c"),
 ]
 
 

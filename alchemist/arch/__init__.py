@@ -20,6 +20,7 @@ from alchemist.arch import (
     lfm2,
     lfm2moe,
     llama,
+    llama4,
     mistral3,
     olmo2,
     phi3,
@@ -62,6 +63,7 @@ FAMILY_MODULES = (
     mistral3,
     lfm2moe,
     glm4moe,
+    llama4,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

@@ -267,6 +267,7 @@ def experts(facts: GGUFFacts, hp: Hparams, family: Family, router_layer: int = 0
         gating=moe.gating_from(hp) if moe.gating_from else moe.gating,
         normalize=moe.normalize_from(hp) if moe.normalize_from else moe.normalize,
         weight_scale=moe.weight_scale(hp),
+        weight_inputs=moe.weight_inputs,
     )
 
 
@@ -295,11 +296,15 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     rope_fields = rope_scaling(facts, hp, family, bound, dims)
     rope_base = hp.float("rope.freq_base", default=10000.0, positive=True)
     sliding = family.sliding_layers(hp, n_layer) if family.sliding_layers else [False] * n_layer
+    chunk = family.attention_chunk(hp)  # a family's local layers attend within chunks instead of sliding
+    chunked = [s and chunk > 0 for s in sliding]
+    sliding = [s and not chunk for s in sliding]
     window = hp.int("attention.sliding_window", default=family.default_window) if any(sliding) else 0
     sliding = [s and window > 0 for s in sliding]
     swa_rope = family.swa_rope(hp, rope_base, rope_fields["freq_scale"]) if family.swa_rope else None
     score_scale = family.score_scale(hp, dims.head_dim)
     temperature = family.attn_temperature(hp)
+    rotated_qk_norm = family.rotated_qk_norm(hp)
     # a block tensor's presence is read in the first layer that can have it (a hybrid's first of its mixer, the
     # first of its FFN kind)
     def first_layer(suffix: str) -> int:
@@ -435,6 +440,8 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             prescale_queries=family.prescale_queries,
             sinks=present("attn_sinks.weight"),
             temperature=temperature,
+            rotated_qk_norm=rotated_qk_norm,
+            chunk=chunk if chunked[il] else 0,
         )
         layers.append(
             LayerSpec(

@@ -178,6 +178,7 @@ class ExpertRouting:
     gating_from: Callable[[Hparams], Gating] | None = None
     normalize: bool = True  # renormalize the chosen experts' weights to sum 1
     normalize_from: Callable[[Hparams], bool] | None = None  # (hp) -> normalize, where the file says it
+    weight_inputs: bool = False  # the weight multiplies the expert's input, not its output (Llama 4)
     weight_scale: Callable[[Hparams], float] = lambda hp: 1.0  # multiplies the weights (expert_weights_scale)
     # (hp, n_expert_used) -> each expert's FFN width
     expert_width: Callable[[Hparams, int], int] = expert_width_from_ff
@@ -219,6 +220,10 @@ class Family:
     prescale_queries: bool = False  # llama.cpp scales Qcur before attention (and names the result Qcur)
     # (hp) -> Llama 4's temperature tuning of the queries by position, or None (the default: none)
     attn_temperature: Callable[[Hparams], AttentionTemperature | None] = lambda hp: None
+    # (hp) -> q and k RMS-normed without a weight after RoPE, in the layers that rotate (Llama 4)
+    rotated_qk_norm: Callable[[Hparams], bool] = lambda hp: False
+    # (hp) -> the chunk of chunked attention in the sliding layers (Llama 4's local layers); 0: they slide
+    attention_chunk: Callable[[Hparams], int] = lambda hp: 0
     final_softcap: Callable[[Hparams], float] = lambda hp: 0.0
     # sliding-window attention: (hp, n_layer) -> which layers slide (window: attention.sliding_window)
     sliding_layers: Callable[[Hparams, int], list[bool]] | None = None

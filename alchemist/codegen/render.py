@@ -95,6 +95,7 @@ def _structure(layer: LayerSpec) -> LayerSpec:
     if att is None:  # a hybrid's convolution layer
         return dataclasses.replace(layer, index=0, mlp=mlp)
     rope = dataclasses.replace(att.rope, base=0.0, freq_scale=0.0, style=RopeStyle.NONE)
+    att = dataclasses.replace(att, chunk=0)  # per layer: ATTENTION_CHUNK
     kv_layer = None if att.kv_layer is None else -1  # which cache: per layer (KV_CACHE_OF); whether: the same
     return dataclasses.replace(
         layer,
@@ -161,6 +162,8 @@ def check_renderable(ir: ModelIR) -> None:
             problems.append(f"a {mlp.kind.value} MLP with{'out' if not mlp.gate else ''} a gate tensor")
         if mlp.activation is Activation.SWIGLU_OAI and not (mlp.kind is MLPKind.MOE and mlp.gate):
             problems.append("swiglu_oai outside a gated mixture of experts")
+        if mlp.router and mlp.router.weight_inputs and mlp.router.n_expert_used != 1:
+            problems.append("routing weights on the experts' inputs with more than one expert per token")
         if mlp.shared and (mlp.shared.kind is not MLPKind.GATED or mlp.activation is Activation.SWIGLU_OAI):
             problems.append("a shared expert other than a gated MLP, or beside swiglu_oai experts")
     dense, moe = _ffn_kinds(ir)
@@ -213,7 +216,14 @@ def _altup_problems(ir: ModelIR) -> list[str]:
             problems.append("shared-KV attention needs q, k and v projections without biases")
         if att.q_norm is None or att.v_norm is None or att.qk_norm_scope is not QKNormScope.HEAD:
             problems.append("shared-KV attention needs per-head q/k norms and a value norm")
-        if att.logit_softcap or att.prescale_queries or att.rope.freq_factors_short or att.temperature:
+        if (
+            att.logit_softcap
+            or att.prescale_queries
+            or att.rope.freq_factors_short
+            or att.temperature
+            or att.rotated_qk_norm
+            or att.chunk
+        ):
             problems.append("shared-KV attention with a logit softcap, prescaled queries, LongRoPE or a temperature")
         if any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.layers):
             problems.append("shared-KV attention on layers without RoPE")
@@ -286,6 +296,9 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
     rows.append(
         ("SLIDING_WINDOW", tuple(_per_attention(ir, lambda a: a.sliding_window, 0)), "per layer; 0: all positions")
     )
+    if any(lay.attention.chunk for lay in ir.attention_layers):
+        chunks = tuple(_per_attention(ir, lambda a: a.chunk, 0))
+        rows.append(("ATTENTION_CHUNK", chunks, "per layer: attends within chunks of this many positions; 0: none"))
     if style is not RopeStyle.NONE:
         rows.append(("ROPE_DIM", att.rope.dim, f"leading dims of each head that RoPE rotates ({style.value} style)"))
         rows.append(("ROPE_BASE", tuple(_per_attention(ir, lambda a: a.rope.base, 0.0)), "per layer"))
@@ -408,6 +421,7 @@ def template_context(ir: ModelIR) -> dict:
         mlp=_ffn_kinds(ir)[0] if None not in _ffn_kinds(ir) else first.mlp,  # the dense one beside experts
         moe=_ffn_kinds(ir)[1],
         mixed_ffn=None not in _ffn_kinds(ir),
+        chunks=any(lay.attention.chunk for lay in ir.attention_layers),
         embedding=ir.embedding,
         output=ir.output,
         tensors=ir.tensors,

@@ -56,7 +56,9 @@ def quirks(ir: ModelIR) -> list[str]:
     if att.sinks:
         out.append("attention sinks")
     if att.temperature:
-        out.append("attention temperature")
+        out.append("attention temperature" + (" on the layers without RoPE" if att.temperature.unrotated_only else ""))
+    if att.rotated_qk_norm:
+        out.append("q/k rms norm after RoPE")
     if styles == {RopeStyle.NONE}:
         out.append("no RoPE")
     else:
@@ -70,12 +72,17 @@ def quirks(ir: ModelIR) -> list[str]:
             out.append(f"{att.rope.scaling.value} RoPE scaling")
     if any(x.attention.sliding_window for x in ir.attention_layers):
         out.append("sliding window")
+    if any(x.attention.chunk for x in ir.attention_layers):
+        out.append("chunked attention")
     moe = next((x.mlp for x in ir.layers if x.mlp.router), None)
     if moe:
         r = moe.router
         act = "" if moe.activation.value == "silu" else f", {moe.activation.value}"
         n_dense = sum(x.mlp.router is None for x in ir.layers)
-        where = f" after {n_dense} dense layer{'s' if n_dense > 1 else ''}" if n_dense else ""
+        leading = all(x.mlp.router is None for x in ir.layers[:n_dense])
+        where = f" after {n_dense} dense layer{'s' if n_dense > 1 else ''}" if n_dense and leading else ""
+        if n_dense and not leading:
+            where = f" in {ir.n_layer - n_dense} of {ir.n_layer} layers"
         bias = (", selection bias" if r.selection_bias else "") + (", shared expert" if moe.shared else "")
         out.append(
             f"mixture of experts ({r.n_expert} experts, top-{r.n_expert_used}, {r.gating.value} router{bias}{act})"
