@@ -28,10 +28,27 @@ def _cmd_inspect(args) -> int:
         f"architecture  {ir.architecture}",
         *describe_components(ir),
         f"tensors       {len(ir.tensors)}: " + ", ".join(f"{k}×{v}" for k, v in sorted(types.items())),
+        *_kernel_line(ir),
         f"ir sha256     {ir.ir_hash()}",
     ]
     print("\n".join(lines))
     return 0
+
+
+def _kernel_line(ir) -> list[str]:
+    """Which of the file's quantized types alchemist's kernels multiply in their blocks, which are dequantized."""
+    from alchemist.kernels import SUPPORTED_TYPES
+
+    quantized = sorted({t.ggml_type for t in ir.tensors if t.quantized and t.ggml_type not in ("F16", "BF16")})
+    if not quantized:
+        return []
+    kept = [t for t in quantized if t in SUPPORTED_TYPES]
+    other = [t for t in quantized if t not in SUPPORTED_TYPES]
+    return [
+        "kernels       "
+        + (f"{', '.join(kept)} multiplied in their GGUF blocks" if kept else "none")
+        + (f"; {', '.join(other)} dequantized to float32 on load" if other else "")
+    ]
 
 
 def describe_components(ir) -> list[str]:
@@ -64,18 +81,43 @@ def describe_components(ir) -> list[str]:
         + (f", residual x{lay.residual_scale:g}" if lay.residual_scale != 1.0 else ""),
         f"attention     {att.n_head} query heads, {att.n_kv_head} KV heads, head size {att.head_dim}, "
         f"scale {att.score_scale:.6g}" + "".join(f", {e}" for e in extras if e),
-        f"mlp           {mlp.kind.value}, {mlp.activation.value}, ffn {mlp.n_ff}"
-        + (", biases" if mlp.up_bias else "")
-        + (f", {mlp.router.n_expert} experts, top-{mlp.router.n_expert_used}" if mlp.router else ""),
+        *_mlp_lines(ir),
         f"rope          {rope.style.value if all(rotating) or not any(rotating) else f'{sum(rotating)} of {ir.n_layer} layers'}, "
         f"dims {rope.dim}, scaling {rope.scaling.value}, bases {sorted({x.attention.rope.base for x in ir.attention_layers})}",
-        f"windows       {windows} (0 = global)",
+        f"windows       {windows} (0 = global)"
+        + "".join(f", chunks of {c}" for c in sorted({x.attention.chunk for x in ir.attention_layers} - {0}))
+        + (", temperature-tuned queries" if att.temperature else "")
+        + (", q/k rms-normed after RoPE" if att.rotated_qk_norm else ""),
         f"embedding     scale {ir.embedding.scale:g}" + (", learned positions" if ir.embedding.positions else ""),
         f"vocabulary    {ir.n_vocab}   context {ir.n_ctx_train}   output "
         f"{'tied to token_embd' if ir.output.tied else ir.output.weight}"
         + (f", logit scale {ir.output.logit_scale:g}" if ir.output.logit_scale != 1.0 else "")
         + (f", softcap {ir.output.final_softcap:g}" if ir.output.final_softcap else ""),
     ]
+
+
+def _mlp_lines(ir) -> list[str]:
+    """The FFN of each kind of layer: dense, mixture of experts (router, shared expert), or both."""
+    lines = []
+    kinds = list(dict.fromkeys(lay.mlp for lay in ir.layers))
+    for mlp in kinds:
+        where = ""
+        if len(kinds) > 1:
+            where = f" (layers {[lay.index for lay in ir.layers if lay.mlp == mlp]})"
+        line = f"{mlp.kind.value}, {mlp.activation.value}, ffn {mlp.n_ff}" + (", biases" if mlp.up_bias else "")
+        r = mlp.router
+        if r:
+            line += f", {r.n_expert} experts, top-{r.n_expert_used} by {r.gating.value}"
+            line += ", selection bias" if r.selection_bias else ""
+            line += ", weights renormalized" if r.normalize else ""
+            line += f" x{r.weight_scale:g}" if r.weight_scale != 1.0 else ""
+            line += ", weighting the expert's input" if r.weight_inputs else ""
+            line += f", shared expert ffn {mlp.shared.n_ff}" if mlp.shared else ""
+        lines.append(f"{'mlp' if not lines else '':14}{line}{where}")
+    unread = sorted({int(t.name.split(".")[1]) for t in ir.tensors if not t.read and t.name.startswith("blk.")})
+    if unread and any("nextn." in t.name for t in ir.tensors):
+        lines.append(f"{'':14}multi-token-prediction layers {unread}: loaded, not applied")
+    return lines
 
 
 def _cmd_gen(args) -> int:

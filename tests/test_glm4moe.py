@@ -84,3 +84,19 @@ def test_diff_names_the_shared_expert_or_the_biased_choice(tmp_path, monkeypatch
     monkeypatch.setattr(validate_mod, "load_for_validation", perturbed_loader)
     diff = validate_mod.diff_model(path, "c", PROMPT[:6])
     assert diff["first_divergence"] == first
+
+
+def test_inspect_describes_each_ffn_kind_and_the_kernels(loaded):
+    import dataclasses
+
+    from alchemist.cli import _kernel_line, describe_components
+
+    text = "\n".join(describe_components(loaded.ir))
+    assert "gated, silu, ffn 512 (layers [0])" in text
+    assert "4 experts, top-2 by sigmoid, selection bias, weights renormalized x2.5, shared expert ffn 128" in text
+    assert "multi-token-prediction layers [3]: loaded, not applied" in text
+    tensors = list(loaded.ir.tensors)
+    tensors[1] = dataclasses.replace(tensors[1], ggml_type="IQ4_XS")
+    tensors[2] = dataclasses.replace(tensors[2], ggml_type="IQ2_XXS")
+    line = _kernel_line(dataclasses.replace(loaded.ir, tensors=tuple(tensors)))
+    assert line == ["kernels       IQ4_XS multiplied in their GGUF blocks; IQ2_XXS dequantized to float32 on load"]
