@@ -29,6 +29,7 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "MXFP4": (32, 17),
     "IQ4_NL": (32, 18),
     "IQ4_XS": (256, 136),
+    "TQ2_0": (256, 66),
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(BLOCK_SIZES)
@@ -209,6 +210,13 @@ def dequantize_blocks(xp, blocks, ggml_type: str):
         qs = b[..., 8:136].reshape((*lead, 8, 16))
         q = ops.concat([qs % 16, qs // 16])  # (..., 8, 32): per sub-block as IQ4_NL
         return flat(dl * f32(ops.lookup(KVALUES_IQ4NL, q)))
+
+    if ggml_type == "TQ2_0":
+        # ternary: 2-bit codes 0, 1, 2 for -1, 0, 1; byte b of 32-byte chunk j holds elements 128j + 32n + b
+        qs = b[..., 0:64].reshape((*lead, 2, 32))
+        d = ops.f16(b[..., 64:66])[..., None]
+        q = _bits(ops, qs, (0, 2, 4, 6), 2)  # (..., 2, 4, 32)
+        return flat(d * f32(q.reshape((*lead, 256)) - 1))
 
     raise NotImplementedError(ggml_type)
 

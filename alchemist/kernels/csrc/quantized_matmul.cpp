@@ -420,6 +420,21 @@ struct IQ4_XS {
     }
 };
 
+/* TQ2_0 (ternary): 64 bytes of 2-bit codes, then an fp16 d. Bits 2n of byte b of 32-byte chunk j hold element
+   128j + 32n + b as code c, weight d * (c - 1) (codes 0, 1, 2; a 3 decodes to 2 as gguf-py and ggml read it).
+   One scale per 256, given as 8 equal sub-block scales. */
+struct TQ2_0 {
+    enum { QK = 256, BS = 66, SUB = 32, NSUB = 8, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        const float d = f16(b + 64);
+        for (int s = 0; s < 8; ++s) dl[s] = d;
+        for (int j = 0; j < 2; ++j)
+            for (int n = 0; n < 4; ++n)
+                for (int c = 0; c < 32; ++c) q[128 * j + 32 * n + c] = (int8_t)(((b[32 * j + c] >> (2 * n)) & 3) - 1);
+        return q;
+    }
+};
+
 /* ------------------------------------------------------------------ the shared inner product */
 struct Acc {
     vf a0, a1;
@@ -966,6 +981,16 @@ struct GgmlDot {
     static inline float dot(const uint8_t *, idx_t, const int8_t *, const float *, const int16_t *) { return 0.0f; }
 };
 
+/* the types ggml's tiled matmul takes from GGML_TILED_MIN_T rows on (the others keep vec_dot at every T) */
+template <class Q>
+struct GgmlTiled {
+    enum { YES = 1 };
+};
+template <>
+struct GgmlTiled<TQ2_0> {
+    enum { YES = 0 };
+};
+
 #if AQ_AVX2
 /* the 12 packed 6-bit scales and mins -> utmp[0..1] = 8 scales, utmp[2..3] = 8 mins, one byte each */
 static inline void k_scales_mins(const uint8_t *packed, uint32_t utmp[4]) {
@@ -1137,6 +1162,39 @@ struct GgmlDot<IQ4_XS> {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p16, _mm256_set1_epi16((short)iq4_xs_scale(b, s))));
             }
             acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b) * yd[i]), _mm256_cvtepi32_ps(sumi), acc);
+        }
+        return acc8_total(acc);
+    }
+};
+#endif
+
+#if AQ_AVX2
+/* ggml_vec_dot_tq2_0_q8_K: per super-block lane k of 8 sums the codes (0..2) times the activations over bytes
+   4k..4k+3 of both chunks and all four bit pairs, minus the activation sums bsums[2k] + bsums[2k+1] (which turns
+   the codes into -1, 0, 1), all in integers; then acc = float(lanes) * (dy * d) + acc (ggml's mul and add,
+   contracted to one fma by its compiler) and the row is the 8-lane sum. llama.cpp takes this at every batch
+   size (no tinyBLAS or tiled kernel has TQ2_0). */
+template <>
+struct GgmlDot<TQ2_0> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
+        const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+        __m256 acc = _mm256_setzero_ps();
+        for (idx_t i = 0; i < nb; ++i) {
+            const uint8_t *b = x + i * TQ2_0::BS;
+            const int8_t *q8 = yq + 256 * i;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 2; ++j) {
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(b + 32 * j));
+                for (int n = 0; n < 4; ++n) {
+                    const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * n), m3);
+                    const __m256i y = _mm256_loadu_si256((const __m256i *)(q8 + 128 * j + 32 * n));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, y), ones));
+                }
+            }
+            const __m256i bsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(ybs + 16 * i)), ones);
+            sumi = _mm256_sub_epi32(sumi, bsum);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(yd[i] * f16(b + 64)), acc);
         }
         return acc8_total(acc);
     }
@@ -1435,12 +1493,13 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
     if (act_alloc(&a, T, n_in, nb) != 0) return -1;
     quantize_acts<Q>(X, T, n_in, &a);
     const int threaded = (double)n_out * (double)rb * (double)T >= 65536.0;
-    if ((GgmlDot<Q>::EXACT && T >= GGML_TILED_MIN_T) || (AQ_AVX2 && ActOf<Q>::KIND == ACT_Q8_0 && T >= GGML_PANEL_MIN_T)) {
+    if ((GgmlDot<Q>::EXACT && GgmlTiled<Q>::YES && T >= GGML_TILED_MIN_T) ||
+        (AQ_AVX2 && ActOf<Q>::KIND == ACT_Q8_0 && T >= GGML_PANEL_MIN_T)) {
         const int status = run_ggml_panels<Q>(W, n_out, n_in, &a, T, Y, threaded);
         free(a.mem);
         return status;
     }
-    if (T >= GGML_FLOAT_MIN_T && ActOf<Q>::KIND != ACT_Q8_1) {
+    if (T >= GGML_FLOAT_MIN_T && ActOf<Q>::KIND != ACT_Q8_1 && !GgmlDot<Q>::EXACT) {
         float *xr = (float *)malloc(sizeof(float) * (size_t)(T * n_in));
         if (!xr) {
             free(a.mem);
