@@ -184,8 +184,9 @@ def mutate_head_split_transposed(text: str, ir) -> str:
 
 
 def mutate_tensor_unread(text: str, ir) -> str:
-    """A 1-D weight replaced by zeros of its shape before anything reads it."""
-    name = [t.name for t in ir.tensors if len(t.shape) == 1][-1]
+    """A 1-D weight the model applies replaced by zeros of its shape before anything reads it (a tensor llama.cpp
+    loads and never applies, a multi-token-prediction layer's, would not be missed)."""
+    name = [t.name for t in ir.tensors if len(t.shape) == 1 and t.read][-1]
     alias = {q: local for local, q in ModuleSource.parse(text, "m.py").imports.items()}["pytensor.tensor"]
     return _forward_prologue(
         text, [f'w = {{**w, {name!r}: {alias}.zeros({tuple(ir.tensor(name).shape)}, dtype="float32")}}']

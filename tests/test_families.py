@@ -159,3 +159,15 @@ def test_a_failing_backend_is_listed_and_does_not_hide_the_types_that_pass():
     assert line == "| `gemma3n` | AltUp | c (fails: jax/F32, jax/Q8_0) | F32, Q8_0 |"
     rows[1]["passed"] = False  # c fails on F32 too: F32 passes on no validated backend
     assert architecture_markdown(rows).splitlines()[-1].endswith("| none (fails: c/F32, jax/F32, jax/Q8_0) | none |")
+
+
+def test_a_quantized_type_failing_everywhere_does_not_unlist_the_backends():
+    """A quantized type that fails on every backend (its rounding flips a near-tie) is listed as failing; the
+    backends stay validated for the types that pass."""
+    rows = [{"case": "qwen3moe", "quirks": ["MoE"]}] + [
+        {"case": "qwen3moe", "backend": b, "weight_type": t, "passed": t != "IQ4_NL"}
+        for t in ("F32", "IQ4_NL")
+        for b in ("c", "numba")
+    ]
+    line = architecture_markdown(rows).splitlines()[-1]
+    assert line == "| `qwen3moe` | MoE | c, numba (fails: c/IQ4_NL, numba/IQ4_NL) | F32 |"

@@ -197,8 +197,16 @@ def architecture_markdown(rows: list[dict]) -> str:
         results = [r for r in rows if r["case"] == case and "backend" in r]
         quirk = next(r["quirks"] for r in rows if r["case"] == case and "quirks" in r)
         backends = sorted({r["backend"] for r in results})
-        passed_backends = [b for b in backends if all(r["passed"] for r in results if r["backend"] == b)]
         types = list(dict.fromkeys(r["weight_type"] for r in results))
+        # a quantized type that fails on every backend is that type's failure (its rounding), not the backends'
+        type_failures = {
+            t for t in types if t != "F32" and not any(r["passed"] for r in results if r["weight_type"] == t)
+        }
+        passed_backends = [
+            b
+            for b in backends
+            if all(r["passed"] for r in results if r["backend"] == b and r["weight_type"] not in type_failures)
+        ]
         # the types that pass on every validated backend (a backend that fails is listed under "fails")
         passed_types = [
             t
