@@ -3,6 +3,7 @@ the two real reference models (assembled once from the `models` extra)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from alchemist.pytensor_ext.host import configure_pytensor
@@ -37,6 +38,43 @@ def llamacpp_bits():
     if not build.reproduced:
         pytest.skip(describe(build))
     return build
+
+
+@pytest.fixture(scope="session")
+def prompt_and_decode_are_llamacpps(llamacpp_bits):
+    """check(engine, path, prompt, context, n_decode=3): the engine's logits at every prompt position and at
+    n_decode greedy steps after it (llama.cpp's continuation) equal llama.cpp's bit for bit."""
+    from alchemist.harness import LlamaCppOracle
+
+    def check(engine, path, prompt, context, n_decode=3):
+        with LlamaCppOracle(str(path), n_ctx=context, n_threads=1) as oracle:
+            assert np.array_equal(engine.run(prompt, 0, all_logits=True), oracle.logits(prompt)), "prompt"
+            continuation = oracle.greedy(prompt, n_decode)
+            steps = oracle.decode_steps(prompt, continuation)
+        for i, token in enumerate(continuation):
+            assert np.array_equal(np.asarray(engine.run([token], len(prompt) + i)).reshape(-1), steps[i]), i
+
+    return check
+
+
+@pytest.fixture
+def perturbed_weight(monkeypatch):
+    """perturbed_weight(name, factor): the models alchemist.harness.validate loads (as `alchemist diff` does)
+    get weight `name` times `factor`; the GGUF, and so llama.cpp, keep it."""
+    import alchemist.harness.validate as validate_mod
+
+    real_loader = validate_mod.load_for_validation
+
+    def perturb(name: str, factor: float) -> None:
+        def loader(p, **kwargs):
+            loaded = real_loader(p, **kwargs)
+            weights = loaded.weights_for("c")  # cached by the loaded model: what diff_model's engine gets
+            weights[name] = weights[name] * np.float32(factor)
+            return loaded
+
+        monkeypatch.setattr(validate_mod, "load_for_validation", loader)
+
+    return perturb
 
 
 @pytest.fixture(scope="session")

@@ -66,22 +66,14 @@ def test_the_layer_output_is_routed_plus_shared(loaded):
     "weight, first",
     [("blk.2.ffn_down_shexp.weight", "ffn_shexp_out-2"), ("blk.1.exp_probs_b.bias", "ffn_moe_probs_biased-1")],
 )
-def test_diff_names_the_shared_expert_or_the_biased_choice(tmp_path, monkeypatch, weight, first):
+def test_diff_names_the_shared_expert_or_the_biased_choice(tmp_path, perturbed_weight, weight, first):
     """A perturbed shared expert or selection bias: `alchemist diff` names that op, under llama.cpp's name."""
     import alchemist.harness.validate as validate_mod
     from alchemist.fixtures import write_fixture
 
     pytest.importorskip("llama_cpp")
     path = str(write_fixture(tmp_path / "m.gguf", "glm4moe"))
-    real_loader = validate_mod.load_for_validation
-
-    def perturbed_loader(p, **kwargs):
-        loaded = real_loader(p, **kwargs)
-        weights = loaded.weights_for("c")  # cached by the loaded model: what diff_model's engine gets
-        weights[weight] = weights[weight] * np.float32(1.05)
-        return loaded
-
-    monkeypatch.setattr(validate_mod, "load_for_validation", perturbed_loader)
+    perturbed_weight(weight, 1.05)
     diff = validate_mod.diff_model(path, "c", PROMPT[:6])
     assert diff["first_divergence"] == first
 

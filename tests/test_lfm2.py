@@ -124,19 +124,10 @@ def test_conv_cache_follows_the_prefill_decode_contract(lfm2_path, lfm2_loaded):
     assert _nmse(engine.run(other, 0, all_logits=True), ref_other) < 1e-9
 
 
-def test_diff_names_the_convolution_when_its_filter_is_perturbed(lfm2_path, monkeypatch):
+def test_diff_names_the_convolution_when_its_filter_is_perturbed(lfm2_path, perturbed_weight):
     import alchemist.harness.validate as validate_mod
 
-    real_loader = validate_mod.load_for_validation
-    name = "blk.3.shortconv.conv.weight"
-
-    def perturbed_loader(p, **kwargs):
-        loaded = real_loader(p, **kwargs)
-        weights = loaded.weights_for("c")  # cached by the loaded model: what diff_model's engine gets
-        weights[name] = weights[name] * np.float32(1.01)
-        return loaded
-
-    monkeypatch.setattr(validate_mod, "load_for_validation", perturbed_loader)
+    perturbed_weight("blk.3.shortconv.conv.weight", 1.01)
     diff = validate_mod.diff_model(lfm2_path, "c", PROMPT[:6])
     assert diff["first_divergence"] == "model.layers.{}.conv.conv-3"
     rows = dict(diff["rows"])

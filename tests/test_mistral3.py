@@ -69,7 +69,7 @@ def test_plain_llama_files_have_no_temperature(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["c", "numba"])
-def test_ggml_numerics_give_llamacpps_logits(llamacpp_bits, fixture_files, backend):
+def test_ggml_numerics_give_llamacpps_logits(prompt_and_decode_are_llamacpps, fixture_files, backend):
     """The YaRN variant, Q8_0 weights in their blocks, numerics="ggml": the rotated and temperature-tuned queries
     and keys, the prompt's logits and the decode steps after it are llama.cpp's bit for bit (the temperature
     steps at positions 4, 8 and 12 of the prompt). The rotated values need mistral3.cpp's own YaRN factor: with
@@ -83,11 +83,7 @@ def test_ggml_numerics_give_llamacpps_logits(llamacpp_bits, fixture_files, backe
     names = ["Qcur-0", "Kcur-0", "Qcur_attn_temp_scaled-0", "Qcur_attn_temp_scaled-1"]
     with LlamaCppOracle(path, n_ctx=CONTEXT, n_threads=1) as oracle:
         theirs = oracle.intermediates(PROMPT, names)
-        for name in names:
-            assert np.array_equal(ours[name].reshape(theirs[name].shape), theirs[name]), name
-        engine.reset()
-        assert np.array_equal(engine.run(PROMPT, 0, all_logits=True), oracle.logits(PROMPT))
-        continuation = oracle.greedy(PROMPT, 3)
-        steps = oracle.decode_steps(PROMPT, continuation)
-    for i, token in enumerate(continuation):
-        assert np.array_equal(np.asarray(engine.run([token], len(PROMPT) + i)).reshape(-1), steps[i]), i
+    for name in names:
+        assert np.array_equal(ours[name].reshape(theirs[name].shape), theirs[name]), name
+    engine.reset()
+    prompt_and_decode_are_llamacpps(engine, path, PROMPT, CONTEXT)

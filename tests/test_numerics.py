@@ -129,30 +129,23 @@ def test_ggml_numerics_reproduce_llamacpp(q4k_file, kernels):
 
 @pytest.mark.parametrize("backend", ["c", "numba", "jax", "mlx"])
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])  # SiLU / GELU, Q4_K and Q6_K weights
-def test_ggml_numerics_are_llamacpps_to_the_bit(llamacpp_bits, fixture_files, c_kernels_on, arch, backend):
+def test_ggml_numerics_are_llamacpps_to_the_bit(
+    prompt_and_decode_are_llamacpps, fixture_files, c_kernels_on, arch, backend
+):
     """On C, Numba and JAX, numerics="ggml" computes every op as llama.cpp's CPU backend does: the 14-token prompt
     (padded to a bucket of 32: ggml's tiled K-quant order, which llama.cpp takes from 8 rows on) gives llama.cpp's
     logits bit for bit, and so do the decode steps after it (T = 1: ggml's vec_dot order). Numba calls the C
     backend's code for the products, RoPE, attention and SiLU (alchemist.kernels.native) and runs ggml's RMS norm
     loops itself; JAX calls all of them as XLA custom calls, MLX from its eager graph (alchemist.kernels.jax_ffi,
     mlx_host), their static-shape graphs attending over the whole cache."""
-    from alchemist.harness import LlamaCppOracle
     from alchemist.harness.validate import load_for_validation
 
     if backend in ("jax", "mlx"):
         c_kernels_on(backend)
 
     path = str(fixture_files(arch, "Q4_K"))
-    loaded = load_for_validation(path, numerics="ggml")
-    engine = loaded.engine(backend, CONTEXT, True)
-    with LlamaCppOracle(path, n_ctx=CONTEXT, n_threads=1) as oracle:
-        assert np.array_equal(engine.run(PROMPT, 0, all_logits=True), oracle.logits(PROMPT))
-        continuation = oracle.greedy(PROMPT, 3)
-        steps = oracle.decode_steps(PROMPT, continuation)
-    for i, token in enumerate(continuation):
-        assert np.array_equal(
-            np.asarray(engine.run([token], len(PROMPT) + i)).reshape(-1), steps[i]
-        ), f"decode step {i}"
+    engine = load_for_validation(path, numerics="ggml").engine(backend, CONTEXT, True)
+    prompt_and_decode_are_llamacpps(engine, path, PROMPT, CONTEXT)
 
 
 def test_a_shared_engine_must_compute_with_the_files_numerics(fixture_files):

@@ -41,21 +41,14 @@ def test_dequantization_is_llamacpps(ggml_type):
 
 @pytest.mark.parametrize("backend", ["c", "numba"])
 @pytest.mark.parametrize("ggml_type", I_QUANTS)
-def test_fixture_logits_are_llamacpps_to_the_bit(llamacpp_bits, fixture_files, ggml_type, backend):
+def test_fixture_logits_are_llamacpps_to_the_bit(prompt_and_decode_are_llamacpps, fixture_files, ggml_type, backend):
     """qwen2 quantized by llama.cpp (its mixture: the type in the projections, Q6_K output), kernels and
     numerics="ggml": the 14-token prompt (IQ4_NL: tinyBLAS's order; IQ4_XS: ggml's tiled matmul; TQ2_0: vec_dot,
     which llama.cpp takes at every batch size for it) and three decode steps (one row: ggml_vec_dot's order, which
     for IQ4_NL alternates two accumulators) are llama.cpp's logits bit for bit."""
-    from alchemist.harness import LlamaCppOracle
     from alchemist.harness.validate import load_for_validation
 
     path = str(fixture_files("qwen2", ggml_type))
     loaded = load_for_validation(path, numerics="ggml")
     assert {loaded.module.TENSORS[n][0] for n in loaded.module.KERNEL_WEIGHTS} >= {ggml_type}
-    engine = loaded.engine(backend, CONTEXT, True)
-    with LlamaCppOracle(path, n_ctx=CONTEXT, n_threads=1) as oracle:
-        assert np.array_equal(engine.run(PROMPT, 0, all_logits=True), oracle.logits(PROMPT))
-        continuation = oracle.greedy(PROMPT, 3)
-        steps = oracle.decode_steps(PROMPT, continuation)
-    for i, token in enumerate(continuation):
-        assert np.array_equal(np.asarray(engine.run([token], len(PROMPT) + i)).reshape(-1), steps[i]), i
+    prompt_and_decode_are_llamacpps(loaded.engine(backend, CONTEXT, True), path, PROMPT, CONTEXT)
