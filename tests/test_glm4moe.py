@@ -92,3 +92,15 @@ def test_inspect_describes_each_ffn_kind_and_the_kernels(loaded):
     tensors[2] = dataclasses.replace(tensors[2], ggml_type="IQ2_XXS")
     line = _kernel_line(dataclasses.replace(loaded.ir, tensors=tuple(tensors)))
     assert line == ["kernels       IQ4_XS multiplied in their GGUF blocks; IQ2_XXS dequantized to float32 on load"]
+
+
+def test_more_prediction_layers_than_blocks_is_refused_by_name(tmp_path):
+    from alchemist.arch import build_model_ir
+    from alchemist.errors import GGUFError
+    from alchemist.fixtures import FixtureConfig, write_fixture
+    from alchemist.gguf_io import read_gguf
+
+    config = FixtureConfig(arch="glm4moe", metadata=(("nextn_predict_layers", 4),))
+    path = write_fixture(tmp_path / "m.gguf", "glm4moe", config=config)
+    with pytest.raises(GGUFError, match="glm4moe.nextn_predict_layers.*must be below block_count 4, got 4"):
+        build_model_ir(read_gguf(path))

@@ -278,7 +278,9 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     n_blocks = hp.int("block_count", minimum=1)
     n_mtp = family.mtp_layers(hp) if family.mtp_layers else 0
     if not 0 <= n_mtp < n_blocks:
-        raise GGUFError(facts.path, f"{family.name}.nextn_predict_layers", f"{n_mtp} of {n_blocks} blocks")
+        raise GGUFError(
+            facts.path, f"{family.name}.nextn_predict_layers", f"must be below block_count {n_blocks}, got {n_mtp}"
+        )
     n_layer = n_blocks - n_mtp  # the layers the model applies
     norm_eps = hp.float(EPS_KEYS[family.norm], positive=True)
     ffns = family.layer_ffns(hp, n_blocks) if family.layer_ffns else None
