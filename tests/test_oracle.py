@@ -326,7 +326,10 @@ def test_quantize_fixture_produces_type(quantized, oracles, qtype):
     ref = oracles["qwen3"].logits(IDS)
     m = compare_logits(q, ref)
     assert np.all(np.isfinite(q))
-    assert m.mean_pearson > (0.75 if qtype == "Q2_K" else 0.9), str(m)  # quantization noise, not another model
+    # quantization noise, not another model (llama.cpp's own file against its F32 logits); ternary TQ2_0 keeps about
+    # half of a random Gaussian matrix's signal (its block maximum sets the scale: most weights round to 0)
+    floor = {"Q2_K": 0.75, "TQ2_0": 0.4}.get(qtype, 0.9)
+    assert m.mean_pearson > floor, str(m)
 
 
 @pytest.mark.oracle
