@@ -38,6 +38,7 @@ def fixture_spec(case: str):
         raise ValueError(f"{arch} has no fixture variant {variant!r} (choose from {', '.join(FIXTURES)})")
     return family, variants[variant]
 
+
 @dataclass(frozen=True)
 class FixtureConfig:
     arch: str
@@ -238,6 +239,8 @@ def _layer_ffns(family, arch: str, metadata: dict, n_layer: int) -> list[str | N
 def _fixture_hparams(arch: str, metadata: dict) -> Hparams:
     values = {f"{arch}.{k}": np.array(v) if isinstance(v, tuple) else v for k, v in metadata.items()}
     return Hparams(SimpleNamespace(path="<fixture>", metadata=values, tensors={}), arch)
+
+
 def _expert_dims(family, metadata: dict, cfg: FixtureConfig) -> tuple[int, int, int]:
     """(n_expert, n_ff_exp, n_ff_shexp) as the family reads them from this metadata (zeros for a dense fixture)."""
     n_expert = int(metadata.get("expert_count", 0))

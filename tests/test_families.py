@@ -72,7 +72,11 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     assert 'w["rope_factors_long.weight"] if n_ctx > ROPE_ORIG_CTX' in sources["phi3"]
     assert "def short_conv(" in sources["lfm2"] and "CONV_LAYERS = (True, False, False, True)" in sources["lfm2"]
     assert all("def short_conv(" not in src for c, src in sources.items() if not c.startswith("lfm2"))
-    assert {c for c, src in sources.items() if "def attention_temperature(" in src} == {"mistral3", "mistral3:yarn", "llama4"}
+    assert {c for c, src in sources.items() if "def attention_temperature(" in src} == {
+        "mistral3",
+        "mistral3:yarn",
+        "llama4",
+    }
     assert "ROPE_GGML_ATTN_FACTOR" in sources["mistral3:yarn"] and "ROPE_GGML_ATTN_FACTOR" not in sources["qwen2:yarn"]
     # llama.cpp's own names for some intermediates: only where the family's graph names them its own way
     assert {c for c, src in sources.items() if "TAP_NAMES" in src} == {

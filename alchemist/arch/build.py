@@ -128,7 +128,9 @@ def bind_tensors(
         for name, il in zip(names, layers if spec.per_layer else [0]):
             if name in present:
                 binding = _binding(facts, name, spec, dims.resolve(spec.shape))
-                bindings[name] = dataclasses.replace(binding, read=False) if spec.per_layer and il >= n_main else binding
+                bindings[name] = (
+                    dataclasses.replace(binding, read=False) if spec.per_layer and il >= n_main else binding
+                )
     if missing:
         shown = ", ".join(missing[:12]) + (f" … and {len(missing) - 12} more" if len(missing) > 12 else "")
         raise UnsupportedModelError(f"{facts.path}: {family.name} model is missing tensors: {shown}")
@@ -307,6 +309,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     score_scale = family.score_scale(hp, dims.head_dim)
     temperature = family.attn_temperature(hp)
     rotated_qk_norm = family.rotated_qk_norm(hp)
+
     # a block tensor's presence is read in the first layer that can have it (a hybrid's first of its mixer, the
     # first of its FFN kind)
     def first_layer(suffix: str) -> int:
@@ -331,6 +334,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     qk_scope = QKNormScope.HEAD
     if "attn_q_norm.weight" in layer0 and table["attn_q_norm.weight"].shape == ("n_q",):
         qk_scope = QKNormScope.FULL
+
     def mlp_spec(routed: bool) -> MLPSpec:
         if routed:
             kind = MLPKind.MOE

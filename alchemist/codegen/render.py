@@ -156,8 +156,10 @@ def check_renderable(ir: ModelIR) -> None:
     for mlp in dict.fromkeys(lay.mlp for lay in ir.layers):
         if (mlp.kind is MLPKind.MOE) != bool(mlp.router):
             problems.append("a mixture of experts without a router (or a router outside one)")
-        if mlp.kind is not MLPKind.MOE and (mlp.kind is MLPKind.GATED) != bool(mlp.gate) or (
-            mlp.gate_bias and not mlp.gate
+        if (
+            mlp.kind is not MLPKind.MOE
+            and (mlp.kind is MLPKind.GATED) != bool(mlp.gate)
+            or (mlp.gate_bias and not mlp.gate)
         ):
             problems.append(f"a {mlp.kind.value} MLP with{'out' if not mlp.gate else ''} a gate tensor")
         if mlp.activation is Activation.SWIGLU_OAI and not (mlp.kind is MLPKind.MOE and mlp.gate):
