@@ -114,9 +114,8 @@ def _mlp_lines(ir) -> list[str]:
             line += ", weighting the expert's input" if r.weight_inputs else ""
             line += f", shared expert ffn {mlp.shared.n_ff}" if mlp.shared else ""
         lines.append(f"{'mlp' if not lines else '':14}{line}{where}")
-    unread = sorted({int(t.name.split(".")[1]) for t in ir.tensors if not t.read and t.name.startswith("blk.")})
-    if unread and any("nextn." in t.name for t in ir.tensors):
-        lines.append(f"{'':14}multi-token-prediction layers {unread}: loaded, not applied")
+    if ir.unapplied_blocks:
+        lines.append(f"{'':14}multi-token-prediction layers {list(ir.unapplied_blocks)}: loaded, not applied")
     return lines
 
 

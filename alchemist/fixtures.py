@@ -211,8 +211,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     for t in (t for t in wanted if not t.per_layer):
         w.add_tensor(t.name, scaled(t, t.name))
     for il in range(n_layer):
-        in_layer = (t for t in wanted if t.per_layer and t.mixer in (None, mixers[il]) and t.ffn in (None, ffns[il]))
-        for t in (t for t in in_layer if il >= n_main or not t.mtp):
+        for t in (t for t in wanted if t.per_layer and t.in_layer(il, mixers, ffns, n_main)):
             w.add_tensor(t.name.format(il=il), scaled(t, t.name.format(il=il)))
 
     w.write_header_to_file()
@@ -246,8 +245,7 @@ def _expert_dims(family, metadata: dict, cfg: FixtureConfig) -> tuple[int, int, 
     n_expert = int(metadata.get("expert_count", 0))
     if not n_expert:
         return 0, 0, 0
-    meta = {f"{family.name}.{k}": v for k, v in metadata.items()} | {f"{family.name}.feed_forward_length": cfg.n_ff}
-    hp = Hparams(SimpleNamespace(path="<fixture>", metadata=meta, tensors={}), family.name)
+    hp = _fixture_hparams(family.name, metadata | {"feed_forward_length": cfg.n_ff})
     n_ff_exp = family.moe.expert_width(hp, int(metadata["expert_used_count"]))
     return n_expert, n_ff_exp, family.moe.shared_width(hp, n_ff_exp)
 

@@ -357,6 +357,16 @@ class ModelIR:
         return tuple(lay.index for lay in self.layers if self._owns_caches(lay))
 
     @property
+    def unapplied_blocks(self) -> tuple[int, ...]:
+        """The file's blocks past n_layer (multi-token-prediction layers): bound, their tensors never read."""
+        return tuple(
+            sorted(
+                {int(t.name.split(".")[1]) for t in self.tensors if t.name.startswith("blk.")}
+                - set(range(self.n_layer))
+            )
+        )
+
+    @property
     def kv_cache_of(self) -> tuple[int, ...]:
         """Per layer: the index (among kv_cache_layers) of the caches it reads and writes."""
         owners = self.kv_cache_layers

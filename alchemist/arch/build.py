@@ -115,7 +115,7 @@ def bind_tensors(
     for spec in family.tensors:
         if spec.alternative and spec.alternative not in chosen:
             continue  # the other alternative's tensors are unknown to this file's model
-        layers = [il for il in range(n_layer) if _in_layer(spec, il, mixers, ffns) and (il >= n_main or not spec.mtp)]
+        layers = [il for il in range(n_layer) if spec.in_layer(il, mixers, ffns, n_main)]
         names = [spec.name.format(il=il) for il in layers] if spec.per_layer else [spec.name]
         present = [n for n in names if n in facts.tensors]
         if spec.required:
@@ -141,13 +141,6 @@ def bind_tensors(
         )
         raise UnsupportedModelError(f"{facts.path}: tensors the {family.name} family does not know: {shown}")
     return bindings
-
-
-def _in_layer(spec: TensorSpec, il: int, mixers: list[str] | None, ffns: list[str] | None) -> bool:
-    """Whether layer il has the per-layer tensor `spec` (by its token mixer and its FFN kind)."""
-    return (spec.mixer is None or bool(mixers) and mixers[il] == spec.mixer) and (
-        spec.ffn is None or bool(ffns) and ffns[il] == spec.ffn
-    )
 
 
 def chosen_alternatives(facts: GGUFFacts, family: Family) -> set[str]:
@@ -316,7 +309,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         spec = table.get(suffix)
         if spec is None:
             return 0
-        return next((il for il in range(n_layer) if _in_layer(spec, il, mixers, ffns)), 0)
+        return next((il for il in range(n_layer) if spec.in_layer(il, mixers, ffns)), 0)
 
     layer0 = {
         spec.suffix

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from alchemist import libm
 from alchemist.arch.table import TensorSpec
 from alchemist.errors import GGUFError, UnsupportedModelError
 from alchemist.gguf_io import GGUFFacts
@@ -149,18 +150,38 @@ def attention_scale_key(hp: Hparams, head_dim: int) -> float:
 
 def logf(x: float) -> float:
     """glibc's logf, the one llama.cpp calls, in float32."""
-    import ctypes
-    import ctypes.util
-
-    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-    libm.logf.restype, libm.logf.argtypes = ctypes.c_float, [ctypes.c_float]
-    return float(libm.logf(float(np.float32(x))))
+    return float(libm.f32("logf")(float(np.float32(x))))
 
 
 def yarn_mscale_ggml(freq_scale: float) -> float:
     """ggml's YaRN magnitude, fmaf(0.1f, logf(1 / freq_scale), 1.0f) (rope_yarn; the float64 sum is exact)."""
     f = np.float32
     return float(f(float(f(0.1)) * logf(float(f(1) / f(freq_scale))) + 1.0))
+
+
+# gguf-py's ExpertGatingFuncType (llama.cpp's llama_expert_gating_func_type); 0 is NONE, "the family's default"
+GATING_FUNCS = {1: Gating.SOFTMAX, 2: Gating.SIGMOID, 3: Gating.SOFTMAX_WEIGHT}
+
+
+def gating_from_file(default: Gating | None = None) -> Callable[[Hparams], Gating]:
+    """ExpertRouting.gating_from reading expert_gating_func: required when `default` is None, else 0 or absent
+    give `default`."""
+
+    def gating(hp: Hparams) -> Gating:
+        code = hp.int("expert_gating_func") if default is None else hp.int("expert_gating_func", default=0)
+        if code == 0 and default is not None:
+            return default
+        if code not in GATING_FUNCS:
+            raise GGUFError(hp.facts.path, hp.key("expert_gating_func"), f"unknown gating function {code}")
+        return GATING_FUNCS[code]
+
+    return gating
+
+
+def leading_dense_ffns(hp: Hparams, n_layer: int) -> list[str]:
+    """Family.layer_ffns of llama.cpp's n_layer_dense_lead: the first leading_dense_block_count layers dense."""
+    n_dense = hp.int("leading_dense_block_count", default=0)
+    return ["dense" if il < n_dense else "moe" for il in range(n_layer)]
 
 
 def expert_width_from_ff(hp: Hparams, n_expert_used: int) -> int:

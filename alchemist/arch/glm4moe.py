@@ -9,8 +9,7 @@ expert width every token goes through. The last nextn_predict_layers blocks are 
 layers, loaded and never applied (as llama.cpp does).
 """
 
-from alchemist.arch.family import ExpertRouting, Family, FixtureSpec
-from alchemist.arch.lfm2moe import GATING_FUNCS
+from alchemist.arch.family import ExpertRouting, Family, FixtureSpec, gating_from_file, leading_dense_ffns
 from alchemist.arch.table import (
     ATTN_NORM,
     ATTN_OUT,
@@ -29,18 +28,7 @@ from alchemist.arch.table import (
     only_in_ffn,
     optional,
 )
-from alchemist.errors import GGUFError
 from alchemist.ir import Activation, Gating, RopeStyle
-
-
-def _gating(hp) -> Gating:
-    code = hp.int("expert_gating_func", default=0)
-    if code == 0:  # LLAMA_EXPERT_GATING_FUNC_TYPE_NONE: GLM-4.5's sigmoid
-        return Gating.SIGMOID
-    if code not in GATING_FUNCS:
-        raise GGUFError(hp.facts.path, hp.key("expert_gating_func"), f"unknown gating function {code}")
-    return GATING_FUNCS[code]
-
 
 FAMILY = Family(
     name="glm4moe",
@@ -61,12 +49,10 @@ FAMILY = Family(
     ffn_norm="post_attention_norm.weight",
     # glm4-moe.cpp's names for the pre-FFN norm's output and the shared expert's
     tap_names=(("ffn_norm", "post_attn_norm"), ("ffn_shexp", "ffn_shexp_out")),
-    layer_ffns=lambda hp, n: [
-        "dense" if il < hp.int("leading_dense_block_count", default=0) else "moe" for il in range(n)
-    ],
+    layer_ffns=leading_dense_ffns,
     mtp_layers=lambda hp: hp.int("nextn_predict_layers", default=0),
     moe=ExpertRouting(
-        gating_from=_gating,
+        gating_from=gating_from_file(default=Gating.SIGMOID),  # absent or NONE: GLM-4.5's sigmoid
         normalize_from=lambda hp: hp.bool("expert_weights_norm", default=False),
         weight_scale=lambda hp: hp.float("expert_weights_scale", default=0.0) or 1.0,
         expert_width=lambda hp, n_used: hp.int("expert_feed_forward_length", default=0)

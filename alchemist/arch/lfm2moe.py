@@ -8,28 +8,9 @@ selection bias (exp_probs_b), weighted by the unbiased scores renormalized to su
 
 import dataclasses
 
-from alchemist.arch.family import ExpertRouting, FixtureSpec
+from alchemist.arch.family import ExpertRouting, FixtureSpec, gating_from_file, leading_dense_ffns
 from alchemist.arch.lfm2 import FAMILY as LFM2
 from alchemist.arch.table import FFN_EXP_PROBS_B, FFN_GATED, FFN_MOE, only_in_ffn
-from alchemist.errors import GGUFError
-from alchemist.ir import Gating
-
-# gguf-py's ExpertGatingFuncType (llama.cpp's llama_expert_gating_func_type)
-GATING_FUNCS = {1: Gating.SOFTMAX, 2: Gating.SIGMOID, 3: Gating.SOFTMAX_WEIGHT}
-
-
-def _ffns(hp, n_layer: int) -> list[str]:
-    """llama.cpp's is_moe_layer = il >= n_layer_dense_lead."""
-    n_dense = hp.int("leading_dense_block_count", default=0)
-    return ["dense" if il < n_dense else "moe" for il in range(n_layer)]
-
-
-def _gating(hp) -> Gating:
-    code = hp.int("expert_gating_func")
-    if code not in GATING_FUNCS:
-        raise GGUFError(hp.facts.path, hp.key("expert_gating_func"), f"unknown gating function {code}")
-    return GATING_FUNCS[code]
-
 
 FAMILY = dataclasses.replace(
     LFM2,
@@ -37,9 +18,9 @@ FAMILY = dataclasses.replace(
     tensors=tuple(t for t in LFM2.tensors if t not in FFN_GATED)
     + only_in_ffn("dense", *FFN_GATED)
     + only_in_ffn("moe", *FFN_MOE, *FFN_EXP_PROBS_B),
-    layer_ffns=_ffns,
+    layer_ffns=leading_dense_ffns,  # llama.cpp's is_moe_layer = il >= n_layer_dense_lead
     moe=ExpertRouting(
-        gating_from=_gating,
+        gating_from=gating_from_file(),
         normalize=True,
         expert_width=lambda hp, n_used: hp.int("expert_feed_forward_length", minimum=1),
     ),

@@ -43,6 +43,15 @@ class TensorSpec:
     def optional(self) -> TensorSpec:
         return replace(self, required=False)
 
+    def in_layer(self, il: int, mixers=None, ffns=None, n_main: int | None = None) -> bool:
+        """Whether block il holds this per-layer tensor: by the block's token mixer (`mixers`), its FFN kind
+        (`ffns`), and whether it is a multi-token-prediction block (il >= n_main; None: there are none)."""
+        return (
+            (self.mixer is None or bool(mixers) and mixers[il] == self.mixer)
+            and (self.ffn is None or bool(ffns) and ffns[il] == self.ffn)
+            and (not self.mtp or n_main is not None and il >= n_main)
+        )
+
 
 @dataclass(frozen=True)
 class Dims:

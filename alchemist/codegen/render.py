@@ -226,7 +226,10 @@ def _altup_problems(ir: ModelIR) -> list[str]:
             or att.rotated_qk_norm
             or att.chunk
         ):
-            problems.append("shared-KV attention with a logit softcap, prescaled queries, LongRoPE or a temperature")
+            problems.append(
+                "shared-KV attention with a logit softcap, prescaled queries, LongRoPE, a temperature, q/k normed "
+                "after RoPE or chunks"
+            )
         if any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.layers):
             problems.append("shared-KV attention on layers without RoPE")
         for lay in ir.layers:
@@ -251,9 +254,10 @@ def _altup_problems(ir: ModelIR) -> list[str]:
 def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
     """(name, value, comment) for every configuration constant of the generated module, in file order."""
     first = ir.layers[0]
-    att, mlp = ir.attention_layers[0].attention, first.mlp
+    att = ir.attention_layers[0].attention
     dense, moe = _ffn_kinds(ir)
     mixed = dense is not None and moe is not None
+    mlp = dense if mixed else first.mlp  # N_FF: the dense layers' width beside experts
     style = _rope_style(ir)
     rows = [
         ("ARCHITECTURE", ir.architecture, ""),
@@ -369,7 +373,9 @@ def template_context(ir: ModelIR) -> dict:
     att = ir.attention_layers[0].attention
     style = _rope_style(ir)
     norms = [first.attn_norm, first.ffn_norm, first.attn_post_norm, first.ffn_post_norm, att.q_norm, ir.output.norm]
-    norm_kinds = sorted({n.kind.value for n in norms if n is not None})
+    norm_kinds = sorted({n.kind.value for n in norms if n is not None} | ({"rms"} if att.rotated_qk_norm else set()))
+    dense, moe = _ffn_kinds(ir)
+    mixed = dense is not None and moe is not None
     summary = (
         f"{ir.n_layer} layers, d_model {ir.n_embd}, {att.n_head} query heads / {att.n_kv_head} KV heads of size "
         f"{att.head_dim}, vocabulary {ir.n_vocab}."
@@ -420,9 +426,9 @@ def template_context(ir: ModelIR) -> dict:
         rope_attn_factor=att.rope.attn_factor,
         layer=first,
         att=att,
-        mlp=_ffn_kinds(ir)[0] if None not in _ffn_kinds(ir) else first.mlp,  # the dense one beside experts
-        moe=_ffn_kinds(ir)[1],
-        mixed_ffn=None not in _ffn_kinds(ir),
+        mlp=dense if mixed else first.mlp,  # the dense one beside experts
+        moe=moe,
+        mixed_ffn=mixed,
         chunks=any(lay.attention.chunk for lay in ir.attention_layers),
         embedding=ir.embedding,
         output=ir.output,

@@ -98,9 +98,8 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append(f"AltUp ({ir.altup.n_streams} streams) with per-layer inputs")
     if lay.laurel is not None:
         out.append("LAuReL")
-    n_unread_layers = len({t.name.split(".")[1] for t in ir.tensors if not t.read and t.name.startswith("blk.")})
-    if n_unread_layers and any("nextn." in t.name for t in ir.tensors):
-        out.append(f"{n_unread_layers} multi-token-prediction layer{'s' if n_unread_layers > 1 else ''} (unused)")
+    if n_mtp := len(ir.unapplied_blocks):
+        out.append(f"{n_mtp} multi-token-prediction layer{'s' if n_mtp > 1 else ''} (unused)")
     if len(ir.kv_cache_layers) < ir.n_layer:
         out.append("shared KV caches")
     if lay.residual_scale != 1.0:

@@ -65,14 +65,12 @@ def _fma32(a, b, c):
 
 def _libm_f32(name: str):
     """libm's float function `name` (tanhf, expf: the very function the C code and ggml call), else numpy's."""
-    import ctypes
-    import ctypes.util
+    from alchemist import libm
 
     try:
-        fn = getattr(ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6"), name)
+        fn = libm.f32(name)
     except (OSError, AttributeError):
         return {"tanhf": np.tanh, "expf": np.exp}[name]
-    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
     return lambda x: np.float32(fn(float(np.float32(x))))
 
 

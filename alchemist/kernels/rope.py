@@ -347,19 +347,12 @@ register_numba_expansion("alchemist_expand_rope_ggml_numba", expand_rope_ggml)
 
 
 # -- a generated module's rope_angles() / rope() computing as ggml does ------------------------------------
-def _libm():
-    import ctypes
-    import ctypes.util
-
-    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-    libm.logf.restype, libm.logf.argtypes = ctypes.c_float, [ctypes.c_float]
-    return libm
-
-
 def yarn_attn_factor(freq_scale: float, attn_factor: float) -> float:
     """The attn_factor llama.cpp hands ggml_rope_ext for YaRN (llama_context: get_mscale(factor, 1) times
     1 / (1 + 0.1 ln factor), times rope.scaling.attn_factor; libllama is compiled without FMA contraction)."""
-    logf, f = _libm().logf, np.float32
+    from alchemist.libm import f32 as libm_f32
+
+    logf, f = libm_f32("logf"), np.float32
     factor = f(1) / f(freq_scale)
     mscale = f(1) if factor <= 1 else f(f(f(0.1) * f(logf(factor))) + f(1))
     return float(f(f(mscale * f(f(1) / f(f(f(0.1) * f(logf(factor))) + f(1)))) * f(attn_factor)))

@@ -14,10 +14,7 @@ transcription; without the C kernels JAX and MLX get the generated module's x ·
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import hashlib
-from functools import lru_cache
 
 import numpy as np
 import pytensor.tensor as pt
@@ -25,6 +22,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.link.c.op import COp
 
+from alchemist import libm
 from alchemist.kernels.attention import v_expf_reference
 from alchemist.kernels.c_same_shape import same_shape_c_code
 from alchemist.kernels.expansion import register_expansion
@@ -32,14 +30,6 @@ from alchemist.kernels.native import register_numba_expansion
 from alchemist.kernels.sources import source
 
 SILU_C = source("silu.cpp")
-
-
-@lru_cache(maxsize=1)
-def _libm_expf():
-    """The C library's expf (ggml's scalar tail calls it; numpy's float32 exp rounds differently)."""
-    fn = ctypes.CDLL(ctypes.util.find_library("m")).expf
-    fn.argtypes, fn.restype = [ctypes.c_float], ctypes.c_float
-    return fn
 
 
 def silu_reference(x: np.ndarray) -> np.ndarray:
@@ -50,7 +40,7 @@ def silu_reference(x: np.ndarray) -> np.ndarray:
     y = np.empty_like(x)
     with np.errstate(over="ignore"):
         y[..., :vec] = x[..., :vec] / (np.float32(1) + v_expf_reference(np.float32(0) - x[..., :vec]))
-    expf = _libm_expf()
+    expf = libm.f32("expf")  # ggml's scalar tail calls it; numpy's float32 exp rounds differently
     tail = x[..., vec:]
     y[..., vec:] = tail / (
         np.float32(1) + np.array([expf(-float(v)) for v in tail.reshape(-1)], np.float32).reshape(tail.shape)
