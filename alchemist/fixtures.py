@@ -139,6 +139,11 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         n_ff_exp=n_ff_exp,
         n_ff_shexp=n_ff_shexp,
         n_layer=n_layer,
+        ssm_conv=int(extra.get("ssm.conv_kernel", 0)),
+        ssm_inner=int(extra.get("ssm.inner_size", 0)),
+        ssm_state=int(extra.get("ssm.state_size", 0)),
+        ssm_head=int(extra.get("ssm.time_step_rank", 0)),
+        ssm_group=int(extra.get("ssm.group_count", 0)),
     )
     mixers = _layer_mixers(family, arch, extra, n_layer)
     ffns = _layer_ffns(family, arch, extra, n_layer)
@@ -195,6 +200,10 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
             return rng.uniform(1.0, 4.0, shape).astype(np.float32)
         if role == "conv":  # a depthwise filter (channels, taps)
             return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        if role == "decay":  # Mamba-2's A = -exp(A_log): a decay of exp(-0.1 .. -0.5) per unit step, a long memory
+            return -rng.uniform(0.1, 0.5, shape).astype(np.float32)
+        if role == "skip":  # Mamba-2's D, initialized to 1
+            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         if role == "sinks":  # logits of the size of the scores, so that the sink takes a real share
             return (1.0 + rng.standard_normal(shape)).astype(np.float32)
         raise ValueError(f"{arch} fixture: no values for role {role!r} ({name})")

@@ -230,6 +230,36 @@ class ShortConvSpec:
 
 
 @dataclass(frozen=True)
+class SSMSpec:
+    """A Mamba-2 mixer (llama.cpp build_mamba2_layer) mixing tokens instead of attention: z, xBC, dt = in_proj(x);
+    xBC = silu(conv(xBC) + conv_bias) over the last `conv_kernel` positions; x, B, C = split(xBC); per head a
+    state (head_dim, state) decaying by exp(softplus(dt + dt_bias) · A) and taking in B ⊗ x · softplus(...);
+    y = C · state + D · x; out_proj(norm(y · silu(z)) per group)."""
+
+    conv_kernel: int  # positions the convolution reads: the current one and conv_kernel - 1 before it
+    n_inner: int  # x's width, n_head · head_dim
+    n_state: int  # the state's size per head and channel (B's and C's width per group)
+    n_head: int
+    n_group: int  # B and C are shared by n_head / n_group heads each
+    in_proj: str  # (2·n_inner + 2·n_group·n_state + n_head, n_embd): [z | x B C | dt]
+    conv: str  # (n_inner + 2·n_group·n_state, conv_kernel): depthwise filter, tap conv_kernel - 1 on the current
+    conv_bias: str | None
+    dt_bias: str  # (n_head,)
+    a: str  # (n_head, 1): A, negative
+    d: str  # (n_head, 1): D, the skip
+    norm: NormSpec | None  # (n_group, n_inner / n_group): RMSNorm of each group of the gated output
+    out_proj: str  # (n_embd, n_inner)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_inner // self.n_head
+
+    @property
+    def n_xbc(self) -> int:
+        return self.n_inner + 2 * self.n_group * self.n_state
+
+
+@dataclass(frozen=True)
 class LaurelSpec:
     """LAuReL (gemma3n): a low-rank branch beside attention, h + norm(right(left(h))), joined with the attention
     output as (attention + laurel) · join_scale."""
@@ -268,6 +298,7 @@ class LayerSpec:
     ffn_post_norm: NormSpec | None = None
     residual_scale: float = 1.0  # multiplies each branch before the residual add (granite)
     conv: ShortConvSpec | None = field(default=None, metadata=LATER)  # the token mixer when attention is None
+    ssm: SSMSpec | None = field(default=None, metadata=LATER)  # the token mixer when attention is None
     altup: AltUpLayerSpec | None = field(default=None, metadata=LATER)  # with Wiring.ALTUP
     laurel: LaurelSpec | None = field(default=None, metadata=LATER)
 
@@ -376,14 +407,19 @@ class ModelIR:
         )
 
     def layer_caches(self) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
-        """Per layer that owns caches (kv_cache_layers), those caches, each (kind, shape of one position's row):
-        "k" and "v" (N_KV_HEAD, HEAD_DIM) for attention, "conv" (n_embd,) (the gated input B·X) for a short
-        convolution."""
+        """Per layer that owns caches (kv_cache_layers), those caches, each (kind, shape): of one position's row
+        for "k" and "v" (N_KV_HEAD, HEAD_DIM) of attention and "conv" (n_embd,) (the gated input B·X) of a short
+        convolution; of one sequence's state (STATE_KINDS) for a Mamba-2 layer's "conv_window"
+        (conv_kernel - 1, n_xbc), its last inputs, and "ssm" (n_head, head_dim, n_state)."""
         caches = []
         for lay in self.layers:
             if not self._owns_caches(lay):
                 continue
-            if lay.conv is not None:
+            if lay.ssm is not None:
+                ssm = lay.ssm
+                window = ("conv_window", (ssm.conv_kernel - 1, ssm.n_xbc))
+                caches.append((window, ("ssm", (ssm.n_head, ssm.head_dim, ssm.n_state))))
+            elif lay.conv is not None:
                 caches.append((("conv", (self.n_embd,)),))
             else:
                 row = (lay.attention.n_kv_head, lay.attention.head_dim)

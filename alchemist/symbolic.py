@@ -51,9 +51,13 @@ def _forward(model, tokens, output_rows=None):
     """forward() over a zero cache of exactly the tokens' length; returns the logits expression."""
     module = model.module
     n = tokens.type.shape[0]
-    from alchemist.runtime.engine import layer_caches
+    from alchemist.runtime.engine import cache_shape, layer_caches, state_kinds
 
-    cache = [tuple(pt.zeros((n, *row), dtype="float32") for _, row in layer) for layer in layer_caches(module)]
+    states = state_kinds(module)
+    cache = [
+        tuple(pt.zeros(cache_shape(kind, row, n, states), dtype="float32") for kind, row in layer)
+        for layer in layer_caches(module)
+    ]
     positions = pt.constant(np.arange(n, dtype=np.int64), name="positions")
     logits, _ = module.forward(model.engine.weights, tokens, positions, cache, attend_len=n, output_rows=output_rows)
     return logits

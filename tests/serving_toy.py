@@ -81,7 +81,7 @@ class ToySlotEngine:
             a = b
         return plan
 
-    def reusable_prefix(self, cached_len: int, lcp: int, prompt_len: int) -> int:
+    def reusable_prefix(self, cached_len: int, lcp: int, prompt_len: int, slot: int | None = None) -> int:
         k = min(lcp, cached_len, prompt_len - 1)
         return max(0, k // self.chunk * self.chunk)
 

@@ -278,6 +278,21 @@ def test_a_2d_tensor_of_a_role_without_an_orientation_rule_fails_closed(fixture_
     assert f"{name} is a 2-D tensor of role 'mystery'" in report.check("orientation").why
 
 
+def test_a_group_norm_applied_transposed_fails_orientation(fixture_modules, tmp_path):
+    """Mamba-2's grouped norm scale (groups, width) multiplying activations laid out (…, width, groups)."""
+    module, gguf_path, _ = fixture_modules["granitehybrid"]
+    text = module.read_text()
+    right = 'y = ops.rms_norm(y.reshape((n_seq * n_tok, SSM_GROUP, SSM_INNER // SSM_GROUP))) * w[p + "ssm_norm.weight"]'
+    wrong = (
+        "y = ops.rms_norm(y.reshape((n_seq * n_tok, SSM_GROUP, SSM_INNER // SSM_GROUP)))"
+        '.reshape((n_seq * n_tok, SSM_INNER // SSM_GROUP, SSM_GROUP)) * w[p + "ssm_norm.weight"].T'
+    )
+    assert right in text
+    report = audit_module(write_mutant(tmp_path, module, text.replace(right, wrong)), gguf_path)
+    assert report.failed == ["orientation"], report.table()
+    assert "blk.0.ssm_norm.weight (norm, stored (rows, width) = (2, 256))" in report.check("orientation").why
+
+
 # ---------------------------------------------------------------------------------------------------
 # good modules
 # ---------------------------------------------------------------------------------------------------

@@ -31,8 +31,9 @@ from alchemist.ir import (
     RopeScaling,
     RopeSpec,
     RopeStyle,
-    ShortConvSpec,
     RouterSpec,
+    ShortConvSpec,
+    SSMSpec,
     TensorBinding,
 )
 from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
@@ -75,7 +76,33 @@ def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None) ->
         n_ctx=hp.int("context_length", minimum=1),
         conv_kernel=hp.int("shortconv.l_cache", minimum=2) if mixers and "conv" in mixers else 0,
         n_layer=hp.int("block_count", minimum=1),
+        **(_ssm_dims(facts, hp) if mixers and "ssm" in mixers else {}),
     )
+
+
+def _ssm_dims(facts: GGUFFacts, hp: Hparams) -> dict:
+    """A Mamba-2 mixer's sizes (llama_hparams ssm_d_conv, ssm_d_inner, ssm_d_state, ssm_dt_rank as the head
+    count, ssm_n_group), checked to divide as build_mamba2_layer splits them."""
+    dims = dict(
+        ssm_conv=hp.int("ssm.conv_kernel", minimum=2),
+        ssm_inner=hp.int("ssm.inner_size", minimum=1),
+        ssm_state=hp.int("ssm.state_size", minimum=1),
+        ssm_head=hp.int("ssm.time_step_rank", minimum=1),
+        ssm_group=hp.int("ssm.group_count", minimum=1),
+    )
+    if dims["ssm_inner"] % dims["ssm_head"]:
+        raise GGUFError(
+            facts.path,
+            hp.key("ssm.time_step_rank"),
+            f"{dims['ssm_head']} heads do not divide " f"ssm.inner_size {dims['ssm_inner']}",
+        )
+    if dims["ssm_head"] % dims["ssm_group"]:
+        raise GGUFError(
+            facts.path,
+            hp.key("ssm.group_count"),
+            f"{dims['ssm_group']} groups do not divide " f"{dims['ssm_head']} heads",
+        )
+    return dims
 
 
 def _attention_kv_heads(facts: GGUFFacts, hp: Hparams, n_head: int, mixers: list[str]) -> int:
@@ -384,6 +411,23 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             conv="shortconv.conv.weight",
             out_proj="shortconv.out_proj.weight",
         )
+    ssm = None
+    if mixers and "ssm" in mixers:
+        ssm = SSMSpec(
+            conv_kernel=dims.ssm_conv,
+            n_inner=dims.ssm_inner,
+            n_state=dims.ssm_state,
+            n_head=dims.ssm_head,
+            n_group=dims.ssm_group,
+            in_proj="ssm_in.weight",
+            conv="ssm_conv1d.weight",
+            conv_bias=present("ssm_conv1d.bias"),
+            dt_bias="ssm_dt.bias",
+            a="ssm_a",
+            d="ssm_d",
+            norm=block_norm("ssm_norm.weight"),
+            out_proj="ssm_out.weight",
+        )
     ffn_norm = block_norm(family.ffn_norm)
     # gpt-oss's post_attention_norm is its pre-FFN norm, not a norm on the attention output
     attn_post_norm = (
@@ -391,7 +435,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     )
     layers = []
     for il in range(n_layer):
-        if mixers and mixers[il] == "conv":
+        if mixers and mixers[il] in ("conv", "ssm"):
             layers.append(
                 LayerSpec(
                     index=il,
@@ -403,7 +447,8 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                     attn_post_norm=attn_post_norm,
                     ffn_post_norm=block_norm("post_ffw_norm.weight"),
                     residual_scale=family.residual_scale(hp),
-                    conv=conv,
+                    conv=conv if mixers[il] == "conv" else None,
+                    ssm=ssm if mixers[il] == "ssm" else None,
                 )
             )
             continue

@@ -138,6 +138,20 @@ def every_nth_dense(default_pattern: int, dense_first: bool = False) -> Callable
     return pattern
 
 
+def recurrent_where_no_kv_heads(recurrent: str) -> Callable[[Hparams, int], list[str]]:
+    """Family.layer_mixers of llama.cpp's hybrids, is_recurrent(il) = n_head_kv(il) == 0: layer il mixes tokens
+    with `recurrent` ("conv", "ssm") where attention.head_count_kv is 0, else with attention; a scalar count
+    applies to every layer."""
+
+    def mixers(hp: Hparams, n_layer: int) -> list[str]:
+        counts = hp.ints("attention.head_count_kv", n_layer)
+        if counts is None:
+            counts = [hp.int("attention.head_count_kv", default=hp.int("attention.head_count"))] * n_layer
+        return [recurrent if n == 0 else "attention" for n in counts]
+
+    return mixers
+
+
 def inverse_sqrt_head_dim(hp: Hparams, head_dim: int) -> float:
     """llama.cpp's default kq_scale, 1/sqrt(head_dim)."""
     return 1.0 / math.sqrt(head_dim)

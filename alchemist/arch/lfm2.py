@@ -7,7 +7,7 @@ layer has the same pre-norm SiLU gated MLP. The final norm is token_embd_norm.we
 output.weight exists.
 """
 
-from alchemist.arch.family import Family, FixtureSpec
+from alchemist.arch.family import Family, FixtureSpec, recurrent_where_no_kv_heads
 from alchemist.arch.table import (
     ATTN_NORM,
     ATTN_OUT,
@@ -26,14 +26,11 @@ from alchemist.ir import Activation, RopeStyle
 
 
 def _mixers(hp, n_layer: int) -> list[str]:
-    """llama.cpp's is_recr(il) = n_head_kv(il) == 0: a convolution layer; a scalar applies to every layer."""
+    """llama.cpp's is_recr(il) = n_head_kv(il) == 0: a convolution layer."""
     if not hp.bool("attention.causal", default=True):
         # the embedding variant pads the convolution on both sides and attends both ways
         raise UnsupportedModelError(f"{hp.facts.path}: {hp.key('attention.causal')} = false is not supported")
-    counts = hp.ints("attention.head_count_kv", n_layer)
-    if counts is None:
-        counts = [hp.int("attention.head_count_kv", default=hp.int("attention.head_count"))] * n_layer
-    return ["conv" if n == 0 else "attention" for n in counts]
+    return recurrent_where_no_kv_heads("conv")(hp, n_layer)
 
 
 FAMILY = Family(

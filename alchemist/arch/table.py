@@ -70,6 +70,12 @@ class Dims:
     n_ff_exp: int = 0  # mixture of experts: each expert's FFN width
     n_ff_shexp: int = 0  # mixture of experts: the shared expert's FFN width
     n_layer: int = 0
+    # a Mamba-2 mixer (llama_hparams ssm_*): conv length, inner width, state size per head, heads, groups
+    ssm_conv: int = 0
+    ssm_inner: int = 0
+    ssm_state: int = 0
+    ssm_head: int = 0
+    ssm_group: int = 0
 
     def resolve(self, shape: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.size(name) for name in shape)
@@ -90,6 +96,11 @@ class Dims:
             "per_layer_width": PER_LAYER_WIDTH,
             "per_layer_all": self.n_layer * PER_LAYER_WIDTH,
             "laurel_rank": LAUREL_RANK,
+            # Mamba-2: in_proj gives [z | x B C | dt]; the convolution runs over x B C
+            "ssm_in": 2 * self.ssm_inner + 2 * self.ssm_group * self.ssm_state + self.ssm_head,
+            "ssm_xbc": self.ssm_inner + 2 * self.ssm_group * self.ssm_state,
+            "ssm_group_width": self.ssm_inner // max(self.ssm_group, 1),
+            "one": 1,
         }
         if name in derived:
             return derived[name]
@@ -191,6 +202,22 @@ SHORTCONV = only_in(
     T(_blk("shortconv.in_proj.weight"), "linear", "n_embd3", "n_embd"),
     T(_blk("shortconv.conv.weight"), "conv", "n_embd", "conv_kernel"),
     T(_blk("shortconv.out_proj.weight"), "linear", "n_embd", "n_embd"),
+)
+
+
+# a Mamba-2 mixer (llama.cpp build_mamba2_layer): in_proj, a depthwise convolution with its bias, the step
+# size's bias, A (a negative decay rate per head, stored (heads, 1)), the D skip (per head), the grouped
+# RMSNorm of the gated output, out_proj
+SSM_MAMBA2 = only_in(
+    "ssm",
+    T(_blk("ssm_in.weight"), "linear", "ssm_in", "n_embd"),
+    T(_blk("ssm_conv1d.weight"), "conv", "ssm_xbc", "ssm_conv"),
+    T(_blk("ssm_conv1d.bias"), "bias", "ssm_xbc"),
+    T(_blk("ssm_dt.bias"), "bias", "ssm_head"),
+    T(_blk("ssm_a"), "decay", "ssm_head", "one"),
+    T(_blk("ssm_d"), "skip", "ssm_head", "one"),
+    T(_blk("ssm_norm.weight"), "norm", "ssm_group", "ssm_group_width"),
+    T(_blk("ssm_out.weight"), "linear", "n_embd", "ssm_inner"),
 )
 
 

@@ -41,6 +41,9 @@ from alchemist.pytensor_ext.host import activating
 N_TOKENS = 3  # static token count of the probe graph
 CAPACITY = 7  # static KV-cache rows
 HEAD_KINDS = ("head", "kv", "group", "mix")
+# tensors applied elementwise, whatever their shape: biases (per expert: 2-D), Mamba-2's per-head A and D (stored
+# (heads, 1)); no orientation to check
+ELEMENTWISE_ROLES = ("bias", "decay", "skip")
 ROW_ROLES = ("embedding", "position_embedding")  # 2-D tables read by rows (an embedding also as a tied output)
 RANK = {"head": 0, "kv": 0, "group": 1, "dim": 2}
 
@@ -87,8 +90,14 @@ def build_forward(
             b.weights[name] = pt.tensor(name, dtype="float32", shape=shape)
     tokens = pt.tensor("tokens", dtype="int64", shape=(N_TOKENS,))
     positions = pt.scalar("start_pos", dtype="int64") + pt.arange(N_TOKENS, dtype="int64")
+    from alchemist.runtime.engine import cache_shape, state_kinds
+
+    states = state_kinds(module)
     cache = [
-        tuple(pt.tensor(f"{kind}_cache.{il}", dtype="float32", shape=(capacity, *row)) for kind, row in layer)
+        tuple(
+            pt.tensor(f"{kind}_cache.{il}", dtype="float32", shape=cache_shape(kind, row, capacity, states))
+            for kind, row in layer
+        )
         for il, layer in enumerate(cache_shapes)
     ]
     try:
@@ -272,9 +281,9 @@ def orientation_findings(b: Build, tensors: dict, roles: dict) -> tuple[list[str
             found, uses = expert_orientation(b, name, var, tensors[name][1])
             f, n = f + found, n + uses
             continue
-        if var.dtype != "float32" or var.ndim != 2 or role == "bias":  # biases (per expert: 2-D) are added
+        if var.dtype != "float32" or var.ndim != 2 or role in ELEMENTWISE_ROLES:
             continue
-        if role not in ("linear", "conv", *ROW_ROLES):
+        if role not in ("linear", "conv", "norm", *ROW_ROLES):
             f.append(f"{name} is a 2-D tensor of role {role!r}, for which the auditor has no orientation rule")
             continue
         stack, uses = [(var, (0, 1))], 0  # (variable, original axis at each position)
@@ -292,6 +301,15 @@ def orientation_findings(b: Build, tensors: dict, roles: dict) -> tuple[list[str
                         f.append(
                             f"{name} (conv, stored (channels, taps) = {tensors[name][1]}) meets the activations with "
                             f"its axes in order {perm}: its channel axis 0 must be last, its taps axis 1 before it"
+                        )
+                elif role == "norm" and isinstance(op, Elemwise) and len(node.inputs) == 2:
+                    # a norm's scale per row (a head's, a group's) multiplies normed activations (…, rows, width)
+                    # with its axes as stored
+                    uses += 1
+                    if tuple(perm[-2:]) != (0, 1):
+                        f.append(
+                            f"{name} (norm, stored (rows, width) = {tensors[name][1]}) meets the activations with "
+                            f"its axes in order {perm}, not as stored"
                         )
                 elif isinstance(op, Elemwise) and out.type.shape == v.type.shape:
                     stack.append((out, perm))  # scaled, cast: the same axes

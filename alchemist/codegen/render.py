@@ -130,13 +130,17 @@ def check_renderable(ir: ModelIR) -> None:
         raise UnsupportedModelError(f"{ir.source_file}: the templates need at least one attention layer")
     att = ir.attention_layers[0].attention
     problems = []
-    conv = _conv(ir)
-    if any((lay.attention is None) != (lay.conv is not None) for lay in ir.layers):
-        problems.append("a layer needs exactly one token mixer (attention or a convolution)")
+    conv, ssm = _conv(ir), _ssm(ir)
+    if any([lay.attention, lay.conv, lay.ssm].count(None) != 2 for lay in ir.layers):
+        problems.append("a layer needs exactly one token mixer (attention, a convolution or Mamba-2)")
     if conv is not None and conv.kernel < 2:
         problems.append(f"a convolution of length {conv.kernel} (at least 2)")
-    if conv is not None and first.wiring is not Wiring.SEQUENTIAL:
-        problems.append("convolution layers in a parallel block")
+    if (conv or ssm) is not None and first.wiring is not Wiring.SEQUENTIAL:
+        problems.append("convolution or Mamba-2 layers in a parallel block")
+    if conv is not None and ssm is not None:
+        problems.append("short-convolution layers beside Mamba-2 layers")
+    if ssm is not None and (ssm.conv_kernel < 2 or ssm.n_head % ssm.n_group or ssm.n_inner % ssm.n_head):
+        problems.append(f"a Mamba-2 mixer of {ssm.n_head} heads, {ssm.n_group} groups, convolution {ssm.conv_kernel}")
     if att.head_dim_v != att.head_dim:
         problems.append(f"value heads of {att.head_dim_v} != key heads of {att.head_dim}")
     if att.rope.scaling not in RENDERABLE_ROPE_SCALING:
@@ -189,7 +193,7 @@ RENDERABLE_ROPE_SCALING = tuple(RopeScaling)
 
 def _mixerless(layer: LayerSpec) -> LayerSpec:
     """What every layer of a hybrid shares: all but its token mixer and its FFN (checked per kind)."""
-    return dataclasses.replace(_structure(layer), attention=None, conv=None, mlp=None)
+    return dataclasses.replace(_structure(layer), attention=None, conv=None, ssm=None, mlp=None)
 
 
 def _ffn_kinds(ir: ModelIR) -> tuple[MLPSpec | None, MLPSpec | None]:
@@ -202,6 +206,11 @@ def _ffn_kinds(ir: ModelIR) -> tuple[MLPSpec | None, MLPSpec | None]:
 def _conv(ir: ModelIR):
     """The short convolution of a hybrid's convolution layers (the same in each), or None."""
     return next((lay.conv for lay in ir.layers if lay.conv is not None), None)
+
+
+def _ssm(ir: ModelIR):
+    """The Mamba-2 mixer of a hybrid's Mamba-2 layers (the same in each), or None."""
+    return next((lay.ssm for lay in ir.layers if lay.ssm is not None), None)
 
 
 def _altup_problems(ir: ModelIR) -> list[str]:
@@ -330,6 +339,24 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         )
         rows.append(("CONV_KERNEL", conv.kernel, "positions a convolution output reads, the current one last"))
         rows.append(("LAYER_CACHES", ir.layer_caches(), "per layer: its caches, (kind, shape of a position's row)"))
+    ssm = _ssm(ir)
+    if ssm is not None:
+        rows += [
+            ("SSM_LAYERS", tuple(lay.ssm is not None for lay in ir.layers), "per layer: Mamba-2 mixes"),
+            ("SSM_CONV", ssm.conv_kernel, "positions the convolution reads, the current one last"),
+            ("SSM_INNER", ssm.n_inner, "x's width: SSM_HEAD · SSM_HEAD_DIM"),
+            ("SSM_XBC", ssm.n_xbc, "the convolution's channels: x, B and C"),
+            ("SSM_HEAD", ssm.n_head, ""),
+            ("SSM_HEAD_DIM", ssm.head_dim, ""),
+            ("SSM_GROUP", ssm.n_group, "B and C are shared by SSM_HEAD / SSM_GROUP heads each"),
+            ("SSM_STATE", ssm.n_state, "the state's size per head and channel"),
+            ("LAYER_CACHES", ir.layer_caches(), "per layer: its caches, (kind, shape of a position's row or a state)"),
+            (
+                "STATE_KINDS",
+                ("conv_window", "ssm"),
+                "the caches that hold one state per sequence, not a row per position",
+            ),
+        ]
     if ir.tap_names:
         rows.append(("TAP_NAMES", ir.tap_names, "(tap, llama.cpp's name for that tensor in this family's graph)"))
     if att.kv_layer is not None:
@@ -384,6 +411,13 @@ def template_context(ir: ModelIR) -> dict:
     if conv is not None:
         n_conv = sum(lay.conv is not None for lay in ir.layers)
         summary += f"\n{n_conv} of the layers mix tokens with a short convolution of length {conv.kernel}."
+    ssm = _ssm(ir)
+    if ssm is not None:
+        n_ssm = sum(lay.ssm is not None for lay in ir.layers)
+        summary += (
+            f"\n{n_ssm} of the layers mix tokens with Mamba-2: {ssm.n_head} heads of {ssm.head_dim}, state "
+            f"{ssm.n_state}, {ssm.n_group} groups."
+        )
     altup = ir.altup is not None
     if altup:
         n_sparse = sum(1 for lay in ir.layers if lay.mlp.sparsity_std)
@@ -419,6 +453,8 @@ def template_context(ir: ModelIR) -> dict:
         rope_layers=any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.attention_layers)
         and style is not RopeStyle.NONE,
         conv=conv,
+        ssm=ssm,
+        hybrid=conv is not None or ssm is not None,
         tap_names=bool(ir.tap_names),
         rope_factors=att.rope.freq_factors,
         rope_scaling=att.rope.scaling.value,

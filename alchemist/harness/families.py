@@ -30,6 +30,9 @@ def quirks(ir: ModelIR) -> list[str]:
     n_conv = sum(x.conv is not None for x in ir.layers)
     if n_conv:
         out.append(f"short-conv layers ({n_conv} of {ir.n_layer})")
+    n_ssm = sum(x.ssm is not None for x in ir.layers)
+    if n_ssm:
+        out.append(f"Mamba-2 layers ({n_ssm} of {ir.n_layer})")
     if ir.embedding.scale != 1.0:
         out.append("scaled embeddings")
     if ir.embedding.positions:

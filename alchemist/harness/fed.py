@@ -60,10 +60,11 @@ def _fed_graph(engine, n_tokens: int):
     a cache input of the shapes forward() reads, positions start_pos + 0..T-1 as forward() builds them."""
     import pytensor.tensor as pt
 
-    from alchemist.runtime.engine import layer_caches
+    from alchemist.runtime.engine import cache_shape, layer_caches, state_kinds
 
     module = engine.module
     style = _cache_style(module)
+    states = state_kinds(module)
     start_pos = pt.scalar("start_pos", dtype="int64")
     positions = start_pos + pt.arange(n_tokens, dtype="int64")
     attend_len = engine.capacity if engine.static else start_pos + n_tokens  # as Engine._build / forward()
@@ -72,13 +73,16 @@ def _fed_graph(engine, n_tokens: int):
     x_head = pt.tensor("fed_in.head", dtype="float32", shape=(n_tokens, width))
     caches = [
         tuple(
-            pt.tensor(f"fed_{kind}_cache.{il}", dtype="float32", shape=(engine.capacity, *row)) for kind, row in layer
+            pt.tensor(f"fed_{kind}_cache.{il}", dtype="float32", shape=cache_shape(kind, row, engine.capacity, states))
+            for kind, row in layer
         )
         for il, layer in enumerate(layer_caches(module))
     ]
+    # a recurrent layer starts from zero states at position 0 and reads all T tokens
+    n_valid = (n_tokens,) if states else ()
     taps: dict = {}
     for il, (x, cache) in enumerate(zip(xs, caches)):
-        args = (*cache, taps) if style == "kv" else (cache, taps)
+        args = (*cache, taps) if style == "kv" else (cache, *n_valid, taps)
         module.block(engine.ops, engine.weights, il, x, positions, attend_len, *args)
     module.head(engine.ops, engine.weights, x_head, None, taps)
     return start_pos, xs, x_head, caches, taps

@@ -65,6 +65,17 @@ def layer_caches(module: ModuleType) -> tuple:
     return tuple(tuple((str(kind), tuple(int(n) for n in row)) for kind, row in layer) for layer in caches)
 
 
+def state_kinds(module: ModuleType) -> frozenset:
+    """The cache kinds that hold one state per sequence rather than a row per position (the module's STATE_KINDS:
+    a Mamba-2 layer's convolution window and scan state); the module's forward() then takes n_valid."""
+    return frozenset(str(kind) for kind in getattr(module, "STATE_KINDS", ()))
+
+
+def cache_shape(kind: str, row: tuple, rows: int, states: frozenset) -> tuple:
+    """The shape of one sequence's cache of `kind`: `rows` rows of shape `row`, or the state `row` itself."""
+    return tuple(row) if kind in states else (rows, *row)
+
+
 def regroup(flat: list, like: list) -> list:
     """`flat` cut into tuples as long as the tuples of `like` (per-layer caches flattened and rebuilt)."""
     out, i = [], 0
@@ -165,11 +176,14 @@ class Engine:
         self.weights = {
             name: pytensor.shared(arr, name=name, borrow=True, shape=arr.shape) for name, arr in weights.items()
         }
-        # per layer its caches (K and V; a convolution layer's B·X rows), a row per position
+        # per layer its caches (K and V; a convolution layer's B·X rows), a row per position, or a Mamba-2 layer's
+        # states; the position the states have reached (a sequence continues from there or starts at 0)
+        self.states = state_kinds(module)
+        self.state_position = 0
         self.cache = [
             tuple(
                 pytensor.shared(np.zeros(s, np.float32), name=f"{kind}_cache.{il}", shape=s)
-                for kind, s in ((kind, (self.capacity, *row)) for kind, row in layer)
+                for kind, s in ((kind, cache_shape(kind, row, self.capacity, self.states)) for kind, row in layer)
             )
             for il, layer in enumerate(layer_caches(module))
         ]
@@ -237,6 +251,7 @@ class Engine:
             output_rows=rows,
             taps=taps,
             ops=self.ops,
+            **({"n_valid": n_valid} if self.states else {}),
         )
         if not self.static:
             logits, new_cache = self._cache_writes_as_slices(logits, new_cache, start_pos, n_tokens)
@@ -401,6 +416,16 @@ class Engine:
             )
         if not token_ids:
             raise AlchemistError("run() needs at least one token")
+        if self.states and start_pos not in (0, self.state_position):
+            raise AlchemistError(
+                f"run() at position {start_pos}: this model's recurrent state holds positions 0..{self.state_position - 1}; "
+                f"continue at {self.state_position} or start again at 0"
+            )
+        out = self._run_steps(token_ids, start_pos, all_logits)
+        self.state_position = start_pos + len(token_ids)
+        return out
+
+    def _run_steps(self, token_ids: list[int], start_pos: int, all_logits: bool) -> np.ndarray:
         if len(token_ids) == 1:
             out = self.step_function(1, all_logits)(np.array(token_ids, np.int64), np.int64(start_pos), np.int64(1))
             return np.asarray(out)
@@ -435,6 +460,7 @@ class Engine:
         """Forget the sequence. Not needed for correctness (every position is written before it is read),
         but it keeps stale values out of debugging views of the cache."""
         with self.lock:
+            self.state_position = 0
             for caches in self.cache:
                 for sv in caches:
                     sv.set_value(np.zeros(sv.type.shape, np.float32), borrow=True)

@@ -29,13 +29,23 @@ import numpy as np
 from alchemist.errors import AlchemistError
 from alchemist.runtime import graph_cache
 from alchemist.pytensor_ext.host import activated
-from alchemist.runtime.engine import _SOURCE_SHA256, Engine, is_as_imported, layer_caches, load_or_compile, regroup
+from alchemist.runtime.engine import (
+    _SOURCE_SHA256,
+    Engine,
+    cache_shape,
+    is_as_imported,
+    layer_caches,
+    load_or_compile,
+    regroup,
+    state_kinds,
+)
 
 import pytensor  # noqa: E402  (configured by alchemist.runtime.engine)
 import pytensor.tensor as pt  # noqa: E402
 
 SMALL_PREFILL = 8  # a prompt piece of at most this many tokens runs in a smaller step than a whole chunk
 SERVING_BACKENDS = ("c", "numba")
+MAX_CHECKPOINTS = 16  # recurrent-state checkpoints a slot keeps (the oldest go first)
 
 
 @dataclass
@@ -120,14 +130,21 @@ class SlotEngine:
             for window in module.SLIDING_WINDOW
         )
         # per layer its caches (K and V; a convolution layer's B·X rows, a row per position like a global
-        # layer's); not named k_cache.*: the graph cache binds shared variables by name
+        # layer's; a Mamba-2 layer's states); not named k_cache.*: the graph cache binds shared variables by name
+        self.states = state_kinds(module)
         self.cache = [
             tuple(
                 pytensor.shared(np.zeros(s, np.float32), name=f"{kind}_slots.{il}", shape=s)
-                for kind, s in ((kind, (n_slots + 1, rows, *row)) for kind, row in layer)
+                for kind, s in (
+                    (kind, (n_slots + 1, *cache_shape(kind, row, rows, self.states))) for kind, row in layer
+                )
             )
             for il, (layer, rows) in enumerate(zip(layer_caches(module), self.rows))
         ]
+        # recurrent states at chunk boundaries, per slot {position: one array per state cache}: a prefix reuses
+        # the states of its last chunk boundary (rows are enough for attention, states cannot be truncated)
+        self.checkpoints: list[dict[int, list[np.ndarray]]] = [{} for _ in range(n_slots)]
+        self.max_checkpoints = MAX_CHECKPOINTS
         self.prefill_sizes = tuple(sorted({chunk} | ({SMALL_PREFILL} if chunk > SMALL_PREFILL else set())))
         self._functions: dict[tuple[int, int], object] = {}
 
@@ -155,6 +172,8 @@ class SlotEngine:
             output_rows=rows,
             ops=self.engine.ops,
             slots=slots,
+            # the states' padding: a prefill's tokens after its real ones (decode pads with whole rows)
+            **({"n_valid": n_valid if n_tokens > 1 else 1} if self.states else {}),
         )
         if self.engine.backend == "c":
             logits, new_cache = self._cache_writes_flat(logits, new_cache)
@@ -305,6 +324,8 @@ class SlotEngine:
             out = fn(tok, pos, slot, np.int64(max(positions) + 1), np.int64(n))
             self.stats.decode_steps += 1
             self.stats.decode_rows += n
+            for s, p in zip(slots, positions):
+                self._checkpoint(s, p + 1)
         return np.asarray(out, dtype=np.float32)[:n]
 
     def prefill(self, slot: int, ids: Sequence[int], start: int) -> np.ndarray:
@@ -334,6 +355,7 @@ class SlotEngine:
             out = fn(tok, pos, np.array([slot], np.int64), np.int64(start + len(ids)), np.int64(len(ids)))
             self.stats.prefill_chunks += 1
             self.stats.prefill_tokens += len(ids)
+            self._checkpoint(slot, start + len(ids))
         return np.asarray(out, dtype=np.float32)[0]
 
     def chunk_plan(self, n: int, start: int = 0) -> list[tuple[int, int]]:
@@ -345,12 +367,33 @@ class SlotEngine:
             a = b
         return plan
 
-    def reusable_prefix(self, cached_len: int, lcp: int, prompt_len: int) -> int:
+    def _state_caches(self) -> list:
+        return [
+            sv
+            for layer, kinds in zip(self.cache, layer_caches(self.module))
+            for sv, (kind, _) in zip(layer, kinds)
+            if kind in self.states
+        ]
+
+    def _checkpoint(self, slot: int, position: int) -> None:
+        """Keep a copy of the slot's recurrent states when they have just reached a chunk boundary."""
+        if not self.states or position % self.chunk:
+            return
+        kept = self.checkpoints[slot]
+        kept[position] = [sv.get_value(borrow=True)[slot].copy() for sv in self._state_caches()]
+        while len(kept) > self.max_checkpoints:
+            del kept[min(kept)]
+
+    def reusable_prefix(self, cached_len: int, lcp: int, prompt_len: int, slot: int | None = None) -> int:
         """How many leading positions of a slot that holds `cached_len` positions can be reused for a new prompt
         of `prompt_len` tokens sharing `lcp` leading tokens with them: a multiple of chunk, < prompt_len (one
-        token must remain to give logits), and 0 when ring (sliding-window) layers no longer hold the rows."""
+        token must remain to give logits), and 0 when ring (sliding-window) layers no longer hold the rows. With
+        recurrent states, the last position up to there that `slot` keeps a checkpoint of (copy_prefix restores
+        it)."""
         n = min(int(lcp), int(cached_len), int(prompt_len) - 1)
         n -= n % self.chunk
+        if self.states:
+            n = max((p for p in self.checkpoints[slot] if p <= n), default=0) if slot is not None else 0
         if n <= 0:
             return 0
         # the slot may have written up to the end of the chunk holding its last position (a prefill's padding)
@@ -365,14 +408,30 @@ class SlotEngine:
         return n
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Copy the KV of positions [0, n) from slot src to slot dst (between steps; n from reusable_prefix)."""
+        """Copy the KV of positions [0, n) from slot src to slot dst (between steps; n from reusable_prefix), and
+        the recurrent states checkpointed at n (also when src is dst: it goes back to them)."""
         src, dst, n = self._check_slot(src), self._check_slot(dst), int(n)
         if not 0 <= n <= self.capacity:
             raise AlchemistError(f"copy_prefix of {n} positions: a slot holds {self.capacity}")
+        if self.states:
+            self._restore_states(src, dst, n)
         if src == dst or n == 0:
             return
+        states = set(self._state_caches())
         with self.lock:
             for caches, rows in zip(self.cache, self.rows):
-                for sv in caches:
+                for sv in (sv for sv in caches if sv not in states):
                     data = sv.get_value(borrow=True)  # the buffer the steps update in place
                     data[dst, : min(n, rows)] = data[src, : min(n, rows)]
+
+    def _restore_states(self, src: int, dst: int, n: int) -> None:
+        """dst's recurrent states as src's checkpoint at n (n = 0: a fresh start, which the step zeroes), and its
+        checkpoints src's up to n."""
+        kept = {p: arrays for p, arrays in self.checkpoints[src].items() if p <= n}
+        if n and n not in kept:
+            raise AlchemistError(f"slot {src} keeps no recurrent-state checkpoint at position {n}")
+        with self.lock:
+            if n:
+                for sv, saved in zip(self._state_caches(), kept[n]):
+                    sv.get_value(borrow=True)[dst] = saved
+            self.checkpoints[dst] = dict(kept)

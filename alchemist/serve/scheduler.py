@@ -264,7 +264,7 @@ class Scheduler:
         n = len(req.prompt)
 
         def reuse(s: _Slot) -> int:
-            return self.engine.reusable_prefix(len(s.kv_ids), _common_prefix(s.kv_ids, req.prompt), n)
+            return self.engine.reusable_prefix(len(s.kv_ids), _common_prefix(s.kv_ids, req.prompt), n, s.index)
 
         own = {s.index: reuse(s) for s in free}
         slot = max(free, key=lambda s: (own[s.index], -s.index))
@@ -279,6 +279,8 @@ class Scheduler:
                 slot.kv_ids = []
                 raise
             slot.kv_ids = list(donor.kv_ids[:k])
+        else:
+            self.engine.copy_prefix(slot.index, slot.index, k)  # a recurrent model's states go back to k
         del slot.kv_ids[k:]  # rows from k on will be overwritten
         req.t_admit = time.perf_counter()
         slot.request, slot.prompt_done, slot.out_ids, slot.cached_tokens = req, k, [], k
