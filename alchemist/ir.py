@@ -172,6 +172,9 @@ class AttentionSpec:
     # chunked attention: a query sees only the keys of its own chunk of this many positions (Llama 4's local
     # layers); 0: none. Rendered as a limit: a cache longer than the chunk is refused, so chunks never split
     chunk: int = field(default=0, metadata=LATER)
+    # the q projection gives each head's queries and then as many gate values: the attention output times
+    # sigmoid(gate) before the output projection (Qwen3-Next, Qwen3.5)
+    output_gate: bool = field(default=False, metadata=LATER)
 
     @property
     def group_size(self) -> int:
@@ -216,6 +219,8 @@ class MLPSpec:
     sparsity_std: float = field(default=0.0, metadata=LATER)
     # MOE: the shared expert, a dense MLP (ffn_*_shexp) every token goes through, added to the routed experts' sum
     shared: "MLPSpec | None" = field(default=None, metadata=LATER)
+    # MOE: (n_embd,): the shared expert's output times sigmoid(x · shared_gate) per token (Qwen3-Next, Qwen3.5 MoE)
+    shared_gate: str | None = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,33 @@ class SSMSpec:
 
 
 @dataclass(frozen=True)
+class DeltaNetSpec:
+    """A gated delta-net mixer (llama.cpp's qwen35/qwen3next linear attention, delta-net-base.cpp) mixing tokens
+    instead of attention: q, k, v = silu(conv(qkv(x))) over the last `conv_kernel` positions; q and k L2-normed
+    per head, the k heads repeated to the v heads; per v head a state (head_dim, head_dim) decaying by
+    exp(softplus(alpha(x) + dt_bias) · a) and corrected towards v by the delta rule with rate sigmoid(beta(x));
+    out = out_proj(rms_norm(state · q per head) · silu(gate(x)))."""
+
+    conv_kernel: int  # positions the convolution reads: the current one and conv_kernel - 1 before it
+    n_k_head: int  # q and k heads
+    n_v_head: int  # v heads (and states): a multiple of n_k_head
+    head_dim: int  # the size of every q, k and v head
+    qkv: str  # (2·n_k_head·head_dim + n_v_head·head_dim, n_embd): [q | k | v]
+    gate: str  # (n_v_head·head_dim, n_embd): z, the output gate
+    conv: str  # (the qkv width, conv_kernel): depthwise filter, tap conv_kernel - 1 on the current position
+    dt_bias: str  # (n_v_head,)
+    a: str  # (n_v_head,): A, negative
+    beta: str  # (n_v_head, n_embd)
+    alpha: str  # (n_v_head, n_embd)
+    norm: NormSpec  # (head_dim,): RMSNorm of each head's output
+    out_proj: str  # (n_embd, n_v_head·head_dim)
+
+    @property
+    def n_qkv(self) -> int:
+        return (2 * self.n_k_head + self.n_v_head) * self.head_dim
+
+
+@dataclass(frozen=True)
 class LaurelSpec:
     """LAuReL (gemma3n): a low-rank branch beside attention, h + norm(right(left(h))), joined with the attention
     output as (attention + laurel) · join_scale."""
@@ -299,6 +331,7 @@ class LayerSpec:
     residual_scale: float = 1.0  # multiplies each branch before the residual add (granite)
     conv: ShortConvSpec | None = field(default=None, metadata=LATER)  # the token mixer when attention is None
     ssm: SSMSpec | None = field(default=None, metadata=LATER)  # the token mixer when attention is None
+    deltanet: DeltaNetSpec | None = field(default=None, metadata=LATER)  # the token mixer when attention is None
     altup: AltUpLayerSpec | None = field(default=None, metadata=LATER)  # with Wiring.ALTUP
     laurel: LaurelSpec | None = field(default=None, metadata=LATER)
 
@@ -410,12 +443,17 @@ class ModelIR:
         """Per layer that owns caches (kv_cache_layers), those caches, each (kind, shape): of one position's row
         for "k" and "v" (N_KV_HEAD, HEAD_DIM) of attention and "conv" (n_embd,) (the gated input B·X) of a short
         convolution; of one sequence's state (STATE_KINDS) for a Mamba-2 layer's "conv_window"
-        (conv_kernel - 1, n_xbc), its last inputs, and "ssm" (n_head, head_dim, n_state)."""
+        (conv_kernel - 1, n_xbc), its last inputs, and "ssm" (n_head, head_dim, n_state), and for a delta-net
+        layer's "conv_window" (conv_kernel - 1, n_qkv) and "delta" (n_v_head, head_dim of k, head_dim of v)."""
         caches = []
         for lay in self.layers:
             if not self._owns_caches(lay):
                 continue
-            if lay.ssm is not None:
+            if lay.deltanet is not None:
+                dn = lay.deltanet
+                window = ("conv_window", (dn.conv_kernel - 1, dn.n_qkv))
+                caches.append((window, ("delta", (dn.n_v_head, dn.head_dim, dn.head_dim))))
+            elif lay.ssm is not None:
                 ssm = lay.ssm
                 window = ("conv_window", (ssm.conv_kernel - 1, ssm.n_xbc))
                 caches.append((window, ("ssm", (ssm.n_head, ssm.head_dim, ssm.n_state))))

@@ -31,6 +31,7 @@ from alchemist.ir import (
     RopeScaling,
     RopeSpec,
     RopeStyle,
+    DeltaNetSpec,
     RouterSpec,
     ShortConvSpec,
     SSMSpec,
@@ -76,13 +77,13 @@ def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None) ->
         n_ctx=hp.int("context_length", minimum=1),
         conv_kernel=hp.int("shortconv.l_cache", minimum=2) if mixers and "conv" in mixers else 0,
         n_layer=hp.int("block_count", minimum=1),
-        **(_ssm_dims(facts, hp) if mixers and "ssm" in mixers else {}),
+        **(_ssm_dims(facts, hp) if mixers and {"ssm", "deltanet"} & set(mixers) else {}),
     )
 
 
 def _ssm_dims(facts: GGUFFacts, hp: Hparams) -> dict:
-    """A Mamba-2 mixer's sizes (llama_hparams ssm_d_conv, ssm_d_inner, ssm_d_state, ssm_dt_rank as the head
-    count, ssm_n_group), checked to divide as build_mamba2_layer splits them."""
+    """A Mamba-2 or delta-net mixer's sizes (llama_hparams ssm_d_conv, ssm_d_inner, ssm_d_state, ssm_dt_rank as
+    the head count, ssm_n_group: a delta-net's v and k heads), checked to divide as llama.cpp splits them."""
     dims = dict(
         ssm_conv=hp.int("ssm.conv_kernel", minimum=2),
         ssm_inner=hp.int("ssm.inner_size", minimum=1),
@@ -384,6 +385,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                 else None
             ),
             shared=shared if routed else None,
+            shared_gate=present("ffn_gate_inp_shexp.weight") if routed and shared else None,
         )
 
     shared = None
@@ -428,6 +430,32 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             norm=block_norm("ssm_norm.weight"),
             out_proj="ssm_out.weight",
         )
+    # a delta-net's [q | k | v] is named like a fused attention projection; attention layers beside it are split
+    fused = table.get("attn_qkv.weight")
+    attention_qkv = present("attn_qkv.weight") if fused is not None and fused.mixer != "deltanet" else None
+    deltanet = None
+    if mixers and "deltanet" in mixers:
+        head_v = dims.ssm_inner // dims.ssm_head
+        if head_v != dims.ssm_state:
+            raise UnsupportedModelError(
+                f"{facts.path}: delta-net v heads of {head_v} (ssm.inner_size / ssm.time_step_rank) differ from its "
+                f"k heads of {dims.ssm_state} (ssm.state_size); llama.cpp requires them equal"
+            )
+        deltanet = DeltaNetSpec(
+            conv_kernel=dims.ssm_conv,
+            n_k_head=dims.ssm_group,
+            n_v_head=dims.ssm_head,
+            head_dim=dims.ssm_state,
+            qkv="attn_qkv.weight",
+            gate="attn_gate.weight",
+            conv="ssm_conv1d.weight",
+            dt_bias="ssm_dt.bias",
+            a="ssm_a",
+            beta="ssm_beta.weight",
+            alpha="ssm_alpha.weight",
+            norm=block_norm("ssm_norm.weight"),
+            out_proj="ssm_out.weight",
+        )
     ffn_norm = block_norm(family.ffn_norm)
     # gpt-oss's post_attention_norm is its pre-FFN norm, not a norm on the attention output
     attn_post_norm = (
@@ -435,7 +463,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     )
     layers = []
     for il in range(n_layer):
-        if mixers and mixers[il] in ("conv", "ssm"):
+        if mixers and mixers[il] in ("conv", "ssm", "deltanet"):
             layers.append(
                 LayerSpec(
                     index=il,
@@ -449,6 +477,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                     residual_scale=family.residual_scale(hp),
                     conv=conv if mixers[il] == "conv" else None,
                     ssm=ssm if mixers[il] == "ssm" else None,
+                    deltanet=deltanet if mixers[il] == "deltanet" else None,
                 )
             )
             continue
@@ -468,7 +497,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             sliding_window=window if sliding[il] else 0,
             score_scale=score_scale,
             out="attn_output.weight",
-            qkv=present("attn_qkv.weight"),
+            qkv=attention_qkv,
             q=present("attn_q.weight"),
             k=present("attn_k.weight"),
             v=present("attn_v.weight"),
@@ -486,6 +515,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             temperature=temperature,
             rotated_qk_norm=rotated_qk_norm,
             chunk=chunk if chunked[il] else 0,
+            output_gate=family.gated_attention,
         )
         layers.append(
             LayerSpec(

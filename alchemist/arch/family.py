@@ -257,6 +257,8 @@ class Family:
     attn_temperature: Callable[[Hparams], AttentionTemperature | None] = lambda hp: None
     # (hp) -> q and k RMS-normed without a weight after RoPE, in the layers that rotate (Llama 4)
     rotated_qk_norm: Callable[[Hparams], bool] = lambda hp: False
+    # the q projection carries a sigmoid gate per head for the attention output (table: ATTN_Q_GATED)
+    gated_attention: bool = False
     # (hp) -> the chunk of chunked attention in the sliding layers (Llama 4's local layers); 0: they slide
     attention_chunk: Callable[[Hparams], int] = lambda hp: 0
     final_softcap: Callable[[Hparams], float] = lambda hp: 0.0

@@ -41,6 +41,14 @@ SSM_FIXTURE = (
     ("ssm.group_count", 2),
 )
 
+GRANITE_SCALES = (
+    ("embedding_scale", 2.0),
+    ("residual_scale", 0.5),
+    ("attention.scale", 0.1),
+    ("logit_scale", 4.0),
+    ("rope.scaling.finetuned", False),
+)
+
 FAMILY = Family(
     name="granitehybrid",
     tensors=TOKEN_EMBD
@@ -65,14 +73,29 @@ FAMILY = Family(
     # layers 0, 2 and 3 are Mamba-2 layers, layer 1 attends; granite's scales all set; RoPE off as in Granite 4.0
     fixture=FixtureSpec(
         n_layer=4,
-        metadata=(
-            ("attention.head_count_kv", (0, 2, 0, 0)),
-            *SSM_FIXTURE,
-            ("embedding_scale", 2.0),
-            ("residual_scale", 0.5),
-            ("attention.scale", 0.1),
-            ("logit_scale", 4.0),
-            ("rope.scaling.finetuned", False),
+        metadata=(("attention.head_count_kv", (0, 2, 0, 0)), *SSM_FIXTURE, *GRANITE_SCALES),
+        variants=(
+            # Granite 4.0-H Tiny's shape: experts with a shared expert, RoPE in the attention layers
+            (
+                "moe",
+                FixtureSpec(
+                    n_layer=4,
+                    alternative="moe",
+                    optional=(
+                        "blk.{il}.ffn_gate_shexp.weight",
+                        "blk.{il}.ffn_up_shexp.weight",
+                        "blk.{il}.ffn_down_shexp.weight",
+                    ),
+                    metadata=(
+                        ("attention.head_count_kv", (0, 0, 2, 0)),
+                        *SSM_FIXTURE,
+                        *GRANITE_SCALES[:-1],
+                        ("expert_count", 4),
+                        ("expert_used_count", 2),
+                        ("expert_shared_feed_forward_length", 256),
+                    ),
+                ),
+            ),
         ),
     ),
 )

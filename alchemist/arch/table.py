@@ -101,6 +101,10 @@ class Dims:
             "ssm_xbc": self.ssm_inner + 2 * self.ssm_group * self.ssm_state,
             "ssm_group_width": self.ssm_inner // max(self.ssm_group, 1),
             "one": 1,
+            # a gated delta-net: [q | k | v] of ssm_group k heads and ssm_head v heads, each ssm_state wide
+            "dn_qkv": 2 * self.ssm_group * self.ssm_state + self.ssm_inner,
+            "dn_head": self.ssm_inner // max(self.ssm_head, 1),
+            "n_q_gated": 2 * self.n_head * self.head_dim,
         }
         if name in derived:
             return derived[name]
@@ -221,6 +225,24 @@ SSM_MAMBA2 = only_in(
 )
 
 
+# a gated delta-net mixer (llama.cpp's qwen35 build_layer_attn_linear): [q | k | v] and the output gate z, the
+# convolution over [q | k | v], the decay's bias and A, the rates beta and alpha per v head, the head norm, out
+DELTANET = only_in(
+    "deltanet",
+    T(_blk("attn_qkv.weight"), "linear", "dn_qkv", "n_embd"),
+    T(_blk("attn_gate.weight"), "linear", "ssm_inner", "n_embd"),
+    T(_blk("ssm_conv1d.weight"), "conv", "dn_qkv", "ssm_conv"),
+    T(_blk("ssm_dt.bias"), "bias", "ssm_head"),
+    T(_blk("ssm_a"), "decay", "ssm_head"),
+    T(_blk("ssm_beta.weight"), "linear", "ssm_head", "n_embd"),
+    T(_blk("ssm_alpha.weight"), "linear", "ssm_head", "n_embd"),
+    T(_blk("ssm_norm.weight"), "norm", "dn_head"),
+    T(_blk("ssm_out.weight"), "linear", "n_embd", "ssm_inner"),
+)
+# attention whose q projection also gives a gate per head (Qwen3-Next, Qwen3.5): [q_h | gate_h] for each head h
+ATTN_Q_GATED = (T(_blk("attn_q.weight"), "linear", "n_q_gated", "n_embd"),)
+
+
 def alternative(name: str, *specs: TensorSpec) -> tuple[TensorSpec, ...]:
     """`specs` as the family's alternative `name` for their component (see TensorSpec.alternative)."""
     return tuple(replace(s, alternative=name) for s in specs)
@@ -248,6 +270,8 @@ FFN_SHEXP = (
     T(_blk("ffn_up_shexp.weight"), "linear", "n_ff_shexp", "n_embd"),
     T(_blk("ffn_down_shexp.weight"), "linear", "n_embd", "n_ff_shexp"),
 )
+# the shared expert's gate (Qwen3-Next, Qwen3.5 MoE): its output times sigmoid(x · gate) per token
+FFN_SHEXP_GATE = (T(_blk("ffn_gate_inp_shexp.weight"), "linear", "n_embd"),)
 # multi-token prediction (NextN) layers past n_layer: a whole block plus these; llama.cpp loads and skips them
 NEXTN = tuple(
     replace(s, mtp=True)

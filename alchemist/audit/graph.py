@@ -453,8 +453,7 @@ class HeadLayouts:
                 value = (None,) * (out.ndim - k) + self.axes(ins[1])[ins[1].ndim - k :]
                 new = self.merge(out, [self.axes(ins[0]), value])
             elif isinstance(op, AdvancedSubtensor):
-                k = min(ins[0].ndim - (len(ins) - 1), out.ndim)
-                new = (None,) * (out.ndim - k) + (self.axes(ins[0])[ins[0].ndim - k :] if k > 0 else ())
+                new = self.gather(ins[0], out, op.idx_list)
             elif isinstance(op, Join):
                 new = self.join(op.axis % out.ndim, [v for v in ins if v.ndim == out.ndim], out)
             elif _contracted(node, 0, ins[0].ndim) is not None:
@@ -484,7 +483,9 @@ class HeadLayouts:
 
     def reshape(self, x, out):
         lay, shape, new_shape = list(self.axes(x)), x.type.shape, out.type.shape
-        if lay and lay[-1] is None and shape[-1] in self.widths and out.ndim > x.ndim:
+        # a split of the last axis, not only new leading axes ((T, width) -> (B, T, width))
+        grown = tuple(new_shape[out.ndim - x.ndim :]) == tuple(shape)
+        if lay and lay[-1] is None and shape[-1] in self.widths and out.ndim > x.ndim and not grown:
             kind, n, n_kv, d = self.widths[shape[-1]]
             if None in new_shape or new_shape[: x.ndim - 1] != shape[:-1]:
                 self.finding(
@@ -563,6 +564,21 @@ class HeadLayouts:
             o += 1
         return tuple(new)
 
+    def gather(self, x, out, idx_list):
+        """x[..., index, ...]: the axes beside the (adjacent) indexed ones keep their labels where their size is
+        kept; the indexed ones become the index's axes, unlabelled (which head a gathered row is, is unknown)."""
+        entries = list(idx_list) + [slice(None)] * (x.ndim - len(idx_list))
+        indexed = [ax for ax, e in enumerate(entries) if not isinstance(e, slice)]
+        if not indexed or indexed != list(range(indexed[0], indexed[-1] + 1)):
+            return None  # indexed axes apart: NumPy moves them first
+        lay, n_index = self.axes(x), out.ndim - (x.ndim - len(indexed))
+        kept = [ax for ax in range(x.ndim) if ax not in indexed]
+        labels = [lay[ax] for ax in kept]
+        new = labels[: indexed[0]] + [None] * n_index + labels[indexed[0] :]
+        sizes = [x.type.shape[ax] for ax in kept]
+        sizes = sizes[: indexed[0]] + [None] * n_index + sizes[indexed[0] :]
+        return tuple(label if size == out.type.shape[o] else None for o, (label, size) in enumerate(zip(new, sizes)))
+
     def join(self, axis, parts, out):
         new = list(self.merge(out, [self.axes(v) for v in parts]))
         kinds = {k for v in parts for k, _ in (self.axes(v)[axis] or (("?", 0),))}
@@ -583,7 +599,8 @@ class HeadLayouts:
                         f"{' × '.join(held)}: heads must stay apart, only head_dim is summed"
                     )
             for x, y in zip(la[:-2], lb[:-2]):
-                if x and y and {k for k, _ in x} != {k for k, _ in y}:
+                kinds_x, kinds_y = {k for k, _ in x or ()} - {"?"}, {k for k, _ in y or ()} - {"?"}
+                if kinds_x and kinds_y and kinds_x != kinds_y:  # an unknown ("?") axis pairs with anything
                     self.finding(
                         f"a matmul {a.type.shape} @ {b.type.shape} pairs {_axis(x)} of one side with {_axis(y)}"
                     )
@@ -601,6 +618,14 @@ def check_heads(ctx: Context, g: "GraphAudit"):
     f, splits, merges = [], 0, 0
     heads = sorted(
         {(lay.attention.n_head, lay.attention.n_kv_head, lay.attention.head_dim) for lay in ctx.ir.attention_layers}
+    )
+    # a gated q projection splits into heads of queries and gates, 2·head_dim each
+    heads += sorted(
+        {
+            (a.n_head, a.n_kv_head, 2 * a.head_dim)
+            for a in (lay.attention for lay in ctx.ir.attention_layers)
+            if a.output_gate
+        }
     )
     for b in g.builds:
         h = HeadLayouts(b, heads).run()

@@ -130,15 +130,19 @@ def check_renderable(ir: ModelIR) -> None:
         raise UnsupportedModelError(f"{ir.source_file}: the templates need at least one attention layer")
     att = ir.attention_layers[0].attention
     problems = []
-    conv, ssm = _conv(ir), _ssm(ir)
-    if any([lay.attention, lay.conv, lay.ssm].count(None) != 2 for lay in ir.layers):
-        problems.append("a layer needs exactly one token mixer (attention, a convolution or Mamba-2)")
+    conv, ssm, deltanet = _conv(ir), _ssm(ir), _deltanet(ir)
+    if any([lay.attention, lay.conv, lay.ssm, lay.deltanet].count(None) != 3 for lay in ir.layers):
+        problems.append("a layer needs exactly one token mixer (attention, a convolution, Mamba-2 or a delta-net)")
+    if sum(x is not None for x in (conv, ssm, deltanet)) > 1:
+        problems.append("more than one kind of token mixer beside attention")
+    if deltanet is not None and (deltanet.conv_kernel < 2 or deltanet.n_v_head % deltanet.n_k_head):
+        problems.append(f"a delta-net of {deltanet.n_v_head} v heads, {deltanet.n_k_head} k heads")
+    if (deltanet is not None) != any(lay.attention.output_gate for lay in ir.attention_layers):
+        problems.append("gated attention outside a delta-net hybrid, or a delta-net beside ungated attention")
     if conv is not None and conv.kernel < 2:
         problems.append(f"a convolution of length {conv.kernel} (at least 2)")
-    if (conv or ssm) is not None and first.wiring is not Wiring.SEQUENTIAL:
-        problems.append("convolution or Mamba-2 layers in a parallel block")
-    if conv is not None and ssm is not None:
-        problems.append("short-convolution layers beside Mamba-2 layers")
+    if (conv or ssm or deltanet) is not None and first.wiring is not Wiring.SEQUENTIAL:
+        problems.append("convolution, Mamba-2 or delta-net layers in a parallel block")
     if ssm is not None and (ssm.conv_kernel < 2 or ssm.n_head % ssm.n_group or ssm.n_inner % ssm.n_head):
         problems.append(f"a Mamba-2 mixer of {ssm.n_head} heads, {ssm.n_group} groups, convolution {ssm.conv_kernel}")
     if att.head_dim_v != att.head_dim:
@@ -170,6 +174,8 @@ def check_renderable(ir: ModelIR) -> None:
             problems.append("swiglu_oai outside a gated mixture of experts")
         if mlp.router and mlp.router.weight_inputs and mlp.router.n_expert_used != 1:
             problems.append("routing weights on the experts' inputs with more than one expert per token")
+        if mlp.shared_gate and not mlp.shared:
+            problems.append("a shared expert's gate without a shared expert")
         if mlp.shared and (mlp.shared.kind is not MLPKind.GATED or mlp.activation is Activation.SWIGLU_OAI):
             problems.append("a shared expert other than a gated MLP, or beside swiglu_oai experts")
     dense, moe = _ffn_kinds(ir)
@@ -189,11 +195,12 @@ def check_renderable(ir: ModelIR) -> None:
 
 
 RENDERABLE_ROPE_SCALING = tuple(RopeScaling)
+DELTA_CHUNK = 64  # delta-net-base.cpp's chunk size for the gated delta rule
 
 
 def _mixerless(layer: LayerSpec) -> LayerSpec:
     """What every layer of a hybrid shares: all but its token mixer and its FFN (checked per kind)."""
-    return dataclasses.replace(_structure(layer), attention=None, conv=None, ssm=None, mlp=None)
+    return dataclasses.replace(_structure(layer), attention=None, conv=None, ssm=None, deltanet=None, mlp=None)
 
 
 def _ffn_kinds(ir: ModelIR) -> tuple[MLPSpec | None, MLPSpec | None]:
@@ -211,6 +218,11 @@ def _conv(ir: ModelIR):
 def _ssm(ir: ModelIR):
     """The Mamba-2 mixer of a hybrid's Mamba-2 layers (the same in each), or None."""
     return next((lay.ssm for lay in ir.layers if lay.ssm is not None), None)
+
+
+def _deltanet(ir: ModelIR):
+    """The gated delta-net of a hybrid's delta-net layers (the same in each), or None."""
+    return next((lay.deltanet for lay in ir.layers if lay.deltanet is not None), None)
 
 
 def _altup_problems(ir: ModelIR) -> list[str]:
@@ -357,6 +369,19 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
                 "the caches that hold one state per sequence, not a row per position",
             ),
         ]
+    deltanet = _deltanet(ir)
+    if deltanet is not None:
+        rows += [
+            ("DELTA_LAYERS", tuple(lay.deltanet is not None for lay in ir.layers), "per layer: a delta-net mixes"),
+            ("DELTA_CONV", deltanet.conv_kernel, "positions the convolution reads, the current one last"),
+            ("DELTA_K_HEAD", deltanet.n_k_head, "q and k heads"),
+            ("DELTA_V_HEAD", deltanet.n_v_head, "v heads, each with its state"),
+            ("DELTA_HEAD_DIM", deltanet.head_dim, "the size of every q, k and v head"),
+            ("DELTA_QKV", deltanet.n_qkv, "[q | k | v]: the convolution's channels"),
+            ("DELTA_CHUNK", DELTA_CHUNK, "tokens per chunk of the delta rule's chunked form (llama.cpp's)"),
+            ("LAYER_CACHES", ir.layer_caches(), "per layer: its caches, (kind, shape of a position's row or a state)"),
+            ("STATE_KINDS", ("conv_window", "delta"), "the caches that hold one state per sequence"),
+        ]
     if ir.tap_names:
         rows.append(("TAP_NAMES", ir.tap_names, "(tap, llama.cpp's name for that tensor in this family's graph)"))
     if att.kv_layer is not None:
@@ -411,6 +436,13 @@ def template_context(ir: ModelIR) -> dict:
     if conv is not None:
         n_conv = sum(lay.conv is not None for lay in ir.layers)
         summary += f"\n{n_conv} of the layers mix tokens with a short convolution of length {conv.kernel}."
+    deltanet = _deltanet(ir)
+    if deltanet is not None:
+        n_delta = sum(lay.deltanet is not None for lay in ir.layers)
+        summary += (
+            f"\n{n_delta} of the layers mix tokens with a gated delta-net: {deltanet.n_v_head} states of "
+            f"{deltanet.head_dim}x{deltanet.head_dim}, {deltanet.n_k_head} k heads."
+        )
     ssm = _ssm(ir)
     if ssm is not None:
         n_ssm = sum(lay.ssm is not None for lay in ir.layers)
@@ -454,7 +486,9 @@ def template_context(ir: ModelIR) -> dict:
         and style is not RopeStyle.NONE,
         conv=conv,
         ssm=ssm,
-        hybrid=conv is not None or ssm is not None,
+        deltanet=deltanet,
+        recurrent=ssm is not None or deltanet is not None,
+        hybrid=conv is not None or ssm is not None or deltanet is not None,
         tap_names=bool(ir.tap_names),
         rope_factors=att.rope.freq_factors,
         rope_scaling=att.rope.scaling.value,
