@@ -1,12 +1,13 @@
-"""A decode step's cost and cache size by position, Mamba-2 layers against attention layers, beside llama.cpp:
-`python benchmarks/recurrent_state.py [--positions 10,1000,10000] [--reps 20] [--threads 2]`.
+"""A decode step's cost and cache size by position, recurrent layers (Mamba-2, delta-net) against attention layers,
+beside llama.cpp: `python benchmarks/recurrent_state.py [--positions 10,1000,10000] [--reps 20] [--threads 2]`.
 
-Writes two random-weight granitehybrid fixtures of 8 layers each (alchemist.fixtures): "hybrid" (7 Mamba-2
-layers, 1 attention layer) and "attention" (8 attention layers), prefills each to every position with random
-tokens, and times the best of --reps one-token decode steps from there (alchemist's C backend, ggml numerics;
-llama.cpp through the oracle's context with --threads threads, F32 KV cache). A Mamba-2 layer's cache is
-one sequence's state, the same size at every position; an attention layer's grows by a K and a V row per
-position. Prints ms per step and the ratio to llama.cpp's at each position, and the cache bytes of one sequence.
+Writes three random-weight fixtures of 8 layers each (alchemist.fixtures): "mamba2" (granitehybrid: 7 Mamba-2
+layers, 1 attention layer), "deltanet" (qwen35: 7 gated delta-net layers, 1 attention layer) and "attention"
+(granite: the same sizes, attention in every layer), prefills each to every position with random tokens, and times the best
+of --reps one-token decode steps from there (alchemist's C backend, ggml numerics; llama.cpp through the
+oracle's context with --threads threads, F32 KV cache). A recurrent layer's cache is one sequence's state, the
+same size at every position; an attention layer's grows by a K and a V row per position. Prints ms per step
+and the ratio to llama.cpp's at each position (above 1: alchemist is faster), and the cache of one sequence.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-MODELS = {"hybrid": (0, 0, 0, 0, 0, 0, 0, 2), "attention": (2,) * 8}  # attention.head_count_kv per layer
+MODELS = {  # name: (family, metadata of its 8-layer fixture)
+    "mamba2": ("granitehybrid", (("attention.head_count_kv", (0, 0, 0, 0, 0, 0, 0, 2)),)),
+    "deltanet": ("qwen35", (("full_attention_interval", 8),)),
+    "attention": ("granite", ()),  # the same block with attention in every layer
+}
 
 
 def timed_steps(step, first: int, reps: int) -> float:
@@ -66,11 +71,9 @@ def main(argv=None) -> int:
     print(
         f"{'model':>9} {'position':>8} {'ours ms':>8} {'llama.cpp ms':>12} {'ratio':>6} {'cache of one sequence':>30}"
     )
-    for name, kv_heads in MODELS.items():
-        cfg = FixtureConfig(
-            "granitehybrid", n_layer=8, n_ctx=context, metadata=(("attention.head_count_kv", kv_heads),)
-        )
-        path = write_fixture(tmp / f"{name}.gguf", "granitehybrid", config=cfg)
+    for name, (family, metadata) in MODELS.items():
+        cfg = FixtureConfig(family, n_layer=8, n_ctx=context, metadata=metadata)
+        path = write_fixture(tmp / f"{name}.gguf", family, config=cfg)
         model = load_llm(path, backend="c", context=context, progress=False)
         engine = model.engine
         state, per_position = cache_bytes(engine)

@@ -26,7 +26,9 @@ def kv_shared_config():
     llama.cpp's activation rounding past the quantized bars, which the 6-layer fixture meets, and with the 6-layer
     fixture's larger embeddings (decisive logits) its F32 rounding past 1e-6."""
     kinds = E2B_KINDS[:20] + (True, False)
-    return FixtureConfig("gemma3n", n_layer=22, metadata=(("attention.sliding_window_pattern", kinds),), embedding_std=0.05)
+    return FixtureConfig(
+        "gemma3n", n_layer=22, metadata=(("attention.sliding_window_pattern", kinds),), embedding_std=0.05
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_real_e2b_layout_binds(e2b_like):
     assert sum(not t.read for t in ir.tensors) == 30
     assert facts.tensors["per_layer_token_embd.weight"].shape == (320, 30 * 256)
     src = render_module(ir)
-    assert "N_KV_CACHE = 20" in src and "slots" not in src.split("def forward(")[1].split(")")[0]
+    assert "N_KV_CACHE = 20" in src and "slots=None" in src.split("def forward(")[1].split(")")[0]
 
 
 def test_real_e2b_layout_loads_in_llamacpp(e2b_like):
@@ -138,7 +140,10 @@ def test_altup_predict_correct_and_magnitudes_are_llamacpps(fixture_module):
     out = rng.standard_normal((T, E)).astype(np.float32)
     h, o = pt.tensor("h", dtype="float32", shape=(A, T, E)), pt.tensor("o", dtype="float32", shape=(T, E))
     w = {k: pt.constant(v) for k, v in weights.items()}
-    P, C = _fn([h, o], [module.altup_predict(module.EXACT, w, 1, h, None), module.altup_correct(module.EXACT, w, 1, h, o, None)])(H, out)
+    P, C = _fn(
+        [h, o],
+        [module.altup_predict(module.EXACT, w, 1, h, None), module.altup_correct(module.EXACT, w, 1, h, o, None)],
+    )(H, out)
 
     def router(x):
         norm = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + module.NORM_EPS)
@@ -153,11 +158,16 @@ def test_altup_predict_correct_and_magnitudes_are_llamacpps(fixture_module):
     x = pt.tensor("x", dtype="float32", shape=(T, E))
     X = rng.standard_normal((T, E)).astype(np.float32)
     S = _fn([x], module.altup_streams(w, x))(X)
-    np.testing.assert_allclose(np.linalg.norm(S, axis=-1), np.broadcast_to(np.linalg.norm(X, axis=-1), (A, T)), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.linalg.norm(S, axis=-1), np.broadcast_to(np.linalg.norm(X, axis=-1), (A, T)), rtol=1e-5
+    )
     np.testing.assert_array_equal(S[0], X)
 
 
-def test_engine_allocates_a_cache_per_owning_layer_and_serving_refuses(tmp_path):
+def test_engines_allocate_a_cache_per_owning_layer_and_serve_the_shared_caches(tmp_path):
+    """The single-sequence engine and the slot engine keep 20 caches for 22 layers; two prompts prefilled in
+    chunks into two slots (one reusing the other's prefix), then decoded together, give the single engine's logits
+    at every step, through layers 20 and 21 that read layers 18's and 19's caches (the sliding one as a ring)."""
     from alchemist.runtime.api import write_generated
     from alchemist.runtime.engine import Engine, import_generated
     from alchemist.runtime.slot_engine import SlotEngine
@@ -172,10 +182,24 @@ def test_engine_allocates_a_cache_per_owning_layer_and_serving_refuses(tmp_path)
     assert "the 6 the IR marks unapplied by llama.cpp do not" in report.check("coverage").why
     module = import_generated(module_path)
     assert module.N_LAYER == 22 and module.N_KV_CACHE == 20 and module.KV_CACHE_OF[20:] == (18, 19)
-    engine = Engine(module, module.load_weights(tmp_path / "kv.gguf"), "c", 16)
+    weights = module.load_weights(tmp_path / "kv.gguf")
+    engine = Engine(module, weights, "c", 32)
     assert len(engine.cache) == 20 and engine.cache[19][0].name == "k_cache.19"
-    with pytest.raises(AlchemistError, match="share KV caches"):
-        SlotEngine(engine, 2)
+    slots = SlotEngine(Engine(module, weights, "c", 32), n_slots=2, chunk=4, decode_buckets=(2,))
+    window = module.SLIDING_WINDOW[0]
+    assert len(slots.cache) == 20 and slots.rows[18] == min(window + 4, 32) and slots.rows[19] == 32
+    a, b = PROMPT[:9], PROMPT[:4] + [5, 77, 300]
+    for lo, hi in slots.chunk_plan(len(a)):
+        slots.prefill(0, a[lo:hi], lo)
+    assert slots.reusable_prefix(len(a), 4, len(b)) == 4
+    slots.copy_prefix(0, 1, 4)
+    for lo, hi in slots.chunk_plan(len(b), 4):
+        got_b = slots.prefill(1, b[lo:hi], lo)
+    got = slots.decode([0, 1], [17, 64], [len(a), len(b)])
+    ref_a, ref_b = engine.run(a + [17], 0, all_logits=True), engine.run(b + [64], 0, all_logits=True)
+    nmse = lambda x, y: float(((x - y) ** 2).sum() / (y**2).sum())  # noqa: E731
+    assert nmse(got_b, ref_b[len(b) - 1]) < 1e-9
+    assert nmse(got[0], ref_a[-1]) < 1e-9 and nmse(got[1], ref_b[-1]) < 1e-9
 
 
 def test_kv_shared_fixture_matches_llamacpp(tmp_path):
@@ -194,7 +218,9 @@ def test_kv_shared_fixture_matches_llamacpp(tmp_path):
     assert res["greedy"]["n_agree"] == 8
 
 
-@pytest.mark.parametrize("tensor, first", [("altup_predict_coef", "predictions-1"), ("altup_correct_coef", "all_coefs-1")])
+@pytest.mark.parametrize(
+    "tensor, first", [("altup_predict_coef", "predictions-1"), ("altup_correct_coef", "all_coefs-1")]
+)
 def test_diff_names_the_altup_op(fixture_module, monkeypatch, tensor, first):
     """A perturbed AltUp coefficient of layer 1 (ours only): the diff names the predict / correct op that reads it."""
     pytest.importorskip("llama_cpp")

@@ -464,7 +464,6 @@ def template_context(ir: ModelIR) -> dict:
         block_components=(["laurel"] if first.laurel else []) + (["altup"] if altup else []),
         forward_template="forward_altup" if altup else "forward",
         sparse_mlp=any(lay.mlp.sparsity_std for lay in ir.layers),
-        slots=not altup,
         altup=ir.altup,
         arch=ir.architecture,
         summary=summary,

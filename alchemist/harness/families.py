@@ -33,6 +33,11 @@ def quirks(ir: ModelIR) -> list[str]:
     n_ssm = sum(x.ssm is not None for x in ir.layers)
     if n_ssm:
         out.append(f"Mamba-2 layers ({n_ssm} of {ir.n_layer})")
+    n_delta = sum(x.deltanet is not None for x in ir.layers)
+    if n_delta:
+        out.append(f"delta-net layers ({n_delta} of {ir.n_layer})")
+    if any(lay.attention.output_gate for lay in ir.attention_layers):
+        out.append("gated attention")
     if ir.embedding.scale != 1.0:
         out.append("scaled embeddings")
     if ir.embedding.positions:
