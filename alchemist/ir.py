@@ -276,15 +276,22 @@ class DeltaNetSpec:
     n_k_head: int  # q and k heads
     n_v_head: int  # v heads (and states): a multiple of n_k_head
     head_dim: int  # the size of every q, k and v head
-    qkv: str  # (2·n_k_head·head_dim + n_v_head·head_dim, n_embd): [q | k | v]
-    gate: str  # (n_v_head·head_dim, n_embd): z, the output gate
     conv: str  # (the qkv width, conv_kernel): depthwise filter, tap conv_kernel - 1 on the current position
     dt_bias: str  # (n_v_head,)
     a: str  # (n_v_head,): A, negative
-    beta: str  # (n_v_head, n_embd)
-    alpha: str  # (n_v_head, n_embd)
     norm: NormSpec  # (head_dim,): RMSNorm of each head's output
     out_proj: str  # (n_embd, n_v_head·head_dim)
+    qkv: str | None = None  # (2·n_k_head·head_dim + n_v_head·head_dim, n_embd): [q | k | v]
+    gate: str | None = None  # (n_v_head·head_dim, n_embd): z, the output gate
+    # or both fused per k head (older Qwen3-Next files): [q | k | v of its v heads | z of its v heads] per k head
+    qkvz: str | None = field(default=None, metadata=LATER)
+    beta: str | None = None  # (n_v_head, n_embd)
+    alpha: str | None = None  # (n_v_head, n_embd)
+    # or both fused per k head (Qwen3-Next): [beta of its v heads | alpha of its v heads] per k head
+    beta_alpha: str | None = field(default=None, metadata=LATER)
+    # which k head v head h reads: h % n_k_head (ggml_repeat's tiling, Qwen3.5) or h // (n_v_head / n_k_head)
+    # (a repeat-interleave, Qwen3-Next)
+    k_heads_tiled: bool = field(default=True, metadata=LATER)
 
     @property
     def n_qkv(self) -> int:

@@ -1,7 +1,8 @@
 """qwen35, the gated delta-net hybrid: its layers and states from the metadata, the delta-net mixer against a
 numpy rendering of llama.cpp's per-token gated delta rule across chunk boundaries and padding, the gated
-attention, and `alchemist diff` naming the delta-net op when one of its weights is perturbed. The states' cache
-contract (against llama.cpp, per slot, in chat) is in test_recurrent.py."""
+attention, `alchemist diff` naming the delta-net op when one of its weights is perturbed, and Qwen3-Next's fused
+layouts and interleaved k heads against llama.cpp. The states' cache contract (against llama.cpp, per slot, in
+chat) is in test_recurrent.py."""
 
 from __future__ import annotations
 
@@ -109,3 +110,25 @@ def test_diff_names_the_delta_net_op_when_its_weights_are_perturbed(qwen35_path,
     assert diff["first_divergence"] == "final_output-1"
     rows = dict(diff["rows"])
     assert rows["attn_output-1"] <= 1e-6 < rows["final_output-1"]
+
+
+@pytest.mark.parametrize("case", ["qwen3next", "qwen3next:fused"])
+def test_qwen3next_layouts_match_llamacpp(case, fixture_files):
+    """Fused [beta | alpha] per k head (and, in older files, [q | k | v | z] per k head), k heads interleaved over
+    the v heads: a prompt, then decode steps through the states, against llama.cpp."""
+    from alchemist.harness.oracle import LlamaCppOracle
+    from alchemist.harness.validate import load_for_validation
+    from alchemist.runtime.engine import Engine
+
+    path = str(fixture_files(case, "F32"))
+    loaded = load_for_validation(path)
+    dn = loaded.ir.layers[0].deltanet
+    assert not dn.k_heads_tiled and dn.beta_alpha == "ssm_ba.weight"
+    assert (dn.qkvz is not None) == case.endswith(":fused") and (dn.qkv is None) == case.endswith(":fused")
+    engine = Engine(loaded.module, loaded.weights_for("c"), "c", 64)
+    with LlamaCppOracle(path, n_ctx=64, n_threads=1) as oracle:
+        ref = oracle.logits(PROMPT)
+    steps = [engine.run(PROMPT[:12], 0, all_logits=True)] + [
+        engine.run([t], 12 + i, all_logits=True) for i, t in enumerate(PROMPT[12:])
+    ]
+    assert _nmse(np.concatenate(steps), ref) < 1e-9

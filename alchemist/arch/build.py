@@ -446,16 +446,27 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             n_k_head=dims.ssm_group,
             n_v_head=dims.ssm_head,
             head_dim=dims.ssm_state,
-            qkv="attn_qkv.weight",
-            gate="attn_gate.weight",
             conv="ssm_conv1d.weight",
             dt_bias="ssm_dt.bias",
             a="ssm_a",
-            beta="ssm_beta.weight",
-            alpha="ssm_alpha.weight",
             norm=block_norm("ssm_norm.weight"),
             out_proj="ssm_out.weight",
+            qkv=present("attn_qkv.weight"),
+            gate=present("attn_gate.weight"),
+            qkvz=present("ssm_in.weight"),
+            beta=present("ssm_beta.weight"),
+            alpha=present("ssm_alpha.weight"),
+            beta_alpha=present("ssm_ba.weight"),
+            k_heads_tiled=family.delta_k_heads_tiled,
         )
+        if bool(deltanet.qkv and deltanet.gate) == bool(deltanet.qkvz):
+            raise UnsupportedModelError(
+                f"{facts.path}: a delta-net layer needs attn_qkv and attn_gate, or ssm_in (and not both)"
+            )
+        if bool(deltanet.beta and deltanet.alpha) == bool(deltanet.beta_alpha):
+            raise UnsupportedModelError(
+                f"{facts.path}: a delta-net layer needs ssm_beta and ssm_alpha, or ssm_ba (and not both)"
+            )
     ffn_norm = block_norm(family.ffn_norm)
     # gpt-oss's post_attention_norm is its pre-FFN norm, not a norm on the attention output
     attn_post_norm = (

@@ -259,6 +259,8 @@ class Family:
     rotated_qk_norm: Callable[[Hparams], bool] = lambda hp: False
     # the q projection carries a sigmoid gate per head for the attention output (table: ATTN_Q_GATED)
     gated_attention: bool = False
+    # a delta-net's v head h reads k head h % n_k_head (ggml_repeat's tiling), else h // (n_v_head / n_k_head)
+    delta_k_heads_tiled: bool = True
     # (hp) -> the chunk of chunked attention in the sliding layers (Llama 4's local layers); 0: they slide
     attention_chunk: Callable[[Hparams], int] = lambda hp: 0
     final_softcap: Callable[[Hparams], float] = lambda hp: 0.0

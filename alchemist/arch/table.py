@@ -104,6 +104,8 @@ class Dims:
             # a gated delta-net: [q | k | v] of ssm_group k heads and ssm_head v heads, each ssm_state wide
             "dn_qkv": 2 * self.ssm_group * self.ssm_state + self.ssm_inner,
             "dn_head": self.ssm_inner // max(self.ssm_head, 1),
+            "dn_qkvz": 2 * self.ssm_group * self.ssm_state + 2 * self.ssm_inner,
+            "ssm_head2": 2 * self.ssm_head,
             "n_q_gated": 2 * self.n_head * self.head_dim,
         }
         if name in derived:
@@ -238,6 +240,20 @@ DELTANET = only_in(
     T(_blk("ssm_alpha.weight"), "linear", "ssm_head", "n_embd"),
     T(_blk("ssm_norm.weight"), "norm", "dn_head"),
     T(_blk("ssm_out.weight"), "linear", "n_embd", "ssm_inner"),
+)
+# Qwen3-Next's: beta and alpha fused per k head ([beta of its v heads | alpha of its v heads]); [q | k | v] and z
+# as above, or (older files) fused per k head in ssm_in ([q | k | v of its v heads | z of its v heads])
+DELTANET_FUSED_RATES = tuple(
+    spec
+    for spec in DELTANET
+    if spec.suffix not in ("ssm_beta.weight", "ssm_alpha.weight", "attn_qkv.weight", "attn_gate.weight")
+) + only_in(
+    "deltanet",
+    T(_blk("ssm_ba.weight"), "linear", "ssm_head2", "n_embd"),
+    *optional(
+        *(spec for spec in DELTANET if spec.suffix in ("attn_qkv.weight", "attn_gate.weight")),
+        T(_blk("ssm_in.weight"), "linear", "dn_qkvz", "n_embd"),
+    ),
 )
 # attention whose q projection also gives a gate per head (Qwen3-Next, Qwen3.5): [q_h | gate_h] for each head h
 ATTN_Q_GATED = (T(_blk("attn_q.weight"), "linear", "n_q_gated", "n_embd"),)
