@@ -76,6 +76,7 @@ def describe_components(ir) -> list[str]:
             if convs
             else []
         ),
+        *_recurrent_lines(ir),
         f"layers        {ir.n_layer}   d_model {ir.n_embd}   {lay.wiring.value} block, norms: attn {norm(lay.attn_norm)}, "
         f"ffn {norm(lay.ffn_norm)}, post {norm(lay.attn_post_norm)}/{norm(lay.ffn_post_norm)}"
         + (f", residual x{lay.residual_scale:g}" if lay.residual_scale != 1.0 else ""),
@@ -87,13 +88,37 @@ def describe_components(ir) -> list[str]:
         f"windows       {windows} (0 = global)"
         + "".join(f", chunks of {c}" for c in sorted({x.attention.chunk for x in ir.attention_layers} - {0}))
         + (", temperature-tuned queries" if att.temperature else "")
-        + (", q/k rms-normed after RoPE" if att.rotated_qk_norm else ""),
+        + (", q/k rms-normed after RoPE" if att.rotated_qk_norm else "")
+        + (", output gated per head" if att.output_gate else ""),
         f"embedding     scale {ir.embedding.scale:g}" + (", learned positions" if ir.embedding.positions else ""),
         f"vocabulary    {ir.n_vocab}   context {ir.n_ctx_train}   output "
         f"{'tied to token_embd' if ir.output.tied else ir.output.weight}"
         + (f", logit scale {ir.output.logit_scale:g}" if ir.output.logit_scale != 1.0 else "")
         + (f", softcap {ir.output.final_softcap:g}" if ir.output.final_softcap else ""),
     ]
+
+
+def _recurrent_lines(ir) -> list[str]:
+    """The recurrent token mixers (Mamba-2, gated delta-net): where, their sizes, and their state per sequence."""
+    lines = []
+    ssm = [x.index for x in ir.layers if x.ssm is not None]
+    if ssm:
+        s = ir.layers[ssm[0]].ssm
+        state = (s.n_head * s.head_dim * s.n_state + (s.conv_kernel - 1) * s.n_xbc) * 4
+        lines.append(
+            f"mamba-2       layers {ssm}: {s.n_head} heads of {s.head_dim}, state {s.n_state}, {s.n_group} groups, "
+            f"conv {s.conv_kernel}; {state / 2**10:.0f} KiB of state per layer and sequence"
+        )
+    delta = [x.index for x in ir.layers if x.deltanet is not None]
+    if delta:
+        d = ir.layers[delta[0]].deltanet
+        state = (d.n_v_head * d.head_dim**2 + (d.conv_kernel - 1) * d.n_qkv) * 4
+        mapping = "tiled" if d.k_heads_tiled else "interleaved"
+        lines.append(
+            f"delta-net     layers {delta}: {d.n_v_head} v heads ({d.n_k_head} k heads, {mapping}) of {d.head_dim}, "
+            f"conv {d.conv_kernel}; {state / 2**10:.0f} KiB of state per layer and sequence"
+        )
+    return lines
 
 
 def _mlp_lines(ir) -> list[str]:
@@ -113,6 +138,7 @@ def _mlp_lines(ir) -> list[str]:
             line += f" x{r.weight_scale:g}" if r.weight_scale != 1.0 else ""
             line += ", weighting the expert's input" if r.weight_inputs else ""
             line += f", shared expert ffn {mlp.shared.n_ff}" if mlp.shared else ""
+            line += " (gated)" if mlp.shared_gate else ""
         lines.append(f"{'mlp' if not lines else '':14}{line}{where}")
     if ir.unapplied_blocks:
         lines.append(f"{'':14}multi-token-prediction layers {list(ir.unapplied_blocks)}: loaded, not applied")

@@ -294,6 +294,75 @@ def experts(facts: GGUFFacts, hp: Hparams, family: Family, router_layer: int = 0
     )
 
 
+def token_mixers(facts: GGUFFacts, family: Family, dims: Dims, kinds: set, present, block_norm) -> dict:
+    """The spec of each token mixer other than attention that the model's layers use (`kinds`, from
+    Family.layer_mixers), by kind, as LayerSpec names the field: "conv" (lfm2's short convolution), "ssm"
+    (Mamba-2), "deltanet" (the gated delta-net); `present(suffix)` and `block_norm(weight)` read layer tensors."""
+    specs = {}
+    if "conv" in kinds:
+        specs["conv"] = ShortConvSpec(
+            kernel=dims.conv_kernel,
+            in_proj="shortconv.in_proj.weight",
+            conv="shortconv.conv.weight",
+            out_proj="shortconv.out_proj.weight",
+        )
+    if "ssm" in kinds:
+        specs["ssm"] = SSMSpec(
+            conv_kernel=dims.ssm_conv,
+            n_inner=dims.ssm_inner,
+            n_state=dims.ssm_state,
+            n_head=dims.ssm_head,
+            n_group=dims.ssm_group,
+            in_proj="ssm_in.weight",
+            conv="ssm_conv1d.weight",
+            conv_bias=present("ssm_conv1d.bias"),
+            dt_bias="ssm_dt.bias",
+            a="ssm_a",
+            d="ssm_d",
+            norm=block_norm("ssm_norm.weight"),
+            out_proj="ssm_out.weight",
+        )
+    if "deltanet" in kinds:
+        specs["deltanet"] = _deltanet(facts, family, dims, present, block_norm)
+    return specs
+
+
+def _deltanet(facts: GGUFFacts, family: Family, dims: Dims, present, block_norm) -> DeltaNetSpec:
+    head_v = dims.ssm_inner // dims.ssm_head
+    if head_v != dims.ssm_state:
+        raise UnsupportedModelError(
+            f"{facts.path}: delta-net v heads of {head_v} (ssm.inner_size / ssm.time_step_rank) differ from its "
+            f"k heads of {dims.ssm_state} (ssm.state_size); llama.cpp requires them equal"
+        )
+    spec = DeltaNetSpec(
+        conv_kernel=dims.ssm_conv,
+        n_k_head=dims.ssm_group,
+        n_v_head=dims.ssm_head,
+        head_dim=dims.ssm_state,
+        conv="ssm_conv1d.weight",
+        dt_bias="ssm_dt.bias",
+        a="ssm_a",
+        norm=block_norm("ssm_norm.weight"),
+        out_proj="ssm_out.weight",
+        qkv=present("attn_qkv.weight"),
+        gate=present("attn_gate.weight"),
+        qkvz=present("ssm_in.weight"),
+        beta=present("ssm_beta.weight"),
+        alpha=present("ssm_alpha.weight"),
+        beta_alpha=present("ssm_ba.weight"),
+        k_heads_tiled=family.delta_k_heads_tiled,
+    )
+    if bool(spec.qkv and spec.gate) == bool(spec.qkvz):
+        raise UnsupportedModelError(
+            f"{facts.path}: a delta-net layer needs attn_qkv and attn_gate, or ssm_in (and not both)"
+        )
+    if bool(spec.beta and spec.alpha) == bool(spec.beta_alpha):
+        raise UnsupportedModelError(
+            f"{facts.path}: a delta-net layer needs ssm_beta and ssm_alpha, or ssm_ba (and not both)"
+        )
+    return spec
+
+
 def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     hp = Hparams(facts, family.name)
     mixers = family.layer_mixers(hp, hp.int("block_count", minimum=1)) if family.layer_mixers else None
@@ -405,68 +474,10 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     else:
         kinds = {kind: mlp_spec(kind == "moe" and router is not None) for kind in dict.fromkeys(ffns)}
         mlp_of = [kinds[kind] for kind in ffns]
-    conv = None
-    if mixers and "conv" in mixers:
-        conv = ShortConvSpec(
-            kernel=dims.conv_kernel,
-            in_proj="shortconv.in_proj.weight",
-            conv="shortconv.conv.weight",
-            out_proj="shortconv.out_proj.weight",
-        )
-    ssm = None
-    if mixers and "ssm" in mixers:
-        ssm = SSMSpec(
-            conv_kernel=dims.ssm_conv,
-            n_inner=dims.ssm_inner,
-            n_state=dims.ssm_state,
-            n_head=dims.ssm_head,
-            n_group=dims.ssm_group,
-            in_proj="ssm_in.weight",
-            conv="ssm_conv1d.weight",
-            conv_bias=present("ssm_conv1d.bias"),
-            dt_bias="ssm_dt.bias",
-            a="ssm_a",
-            d="ssm_d",
-            norm=block_norm("ssm_norm.weight"),
-            out_proj="ssm_out.weight",
-        )
     # a delta-net's [q | k | v] is named like a fused attention projection; attention layers beside it are split
     fused = table.get("attn_qkv.weight")
     attention_qkv = present("attn_qkv.weight") if fused is not None and fused.mixer != "deltanet" else None
-    deltanet = None
-    if mixers and "deltanet" in mixers:
-        head_v = dims.ssm_inner // dims.ssm_head
-        if head_v != dims.ssm_state:
-            raise UnsupportedModelError(
-                f"{facts.path}: delta-net v heads of {head_v} (ssm.inner_size / ssm.time_step_rank) differ from its "
-                f"k heads of {dims.ssm_state} (ssm.state_size); llama.cpp requires them equal"
-            )
-        deltanet = DeltaNetSpec(
-            conv_kernel=dims.ssm_conv,
-            n_k_head=dims.ssm_group,
-            n_v_head=dims.ssm_head,
-            head_dim=dims.ssm_state,
-            conv="ssm_conv1d.weight",
-            dt_bias="ssm_dt.bias",
-            a="ssm_a",
-            norm=block_norm("ssm_norm.weight"),
-            out_proj="ssm_out.weight",
-            qkv=present("attn_qkv.weight"),
-            gate=present("attn_gate.weight"),
-            qkvz=present("ssm_in.weight"),
-            beta=present("ssm_beta.weight"),
-            alpha=present("ssm_alpha.weight"),
-            beta_alpha=present("ssm_ba.weight"),
-            k_heads_tiled=family.delta_k_heads_tiled,
-        )
-        if bool(deltanet.qkv and deltanet.gate) == bool(deltanet.qkvz):
-            raise UnsupportedModelError(
-                f"{facts.path}: a delta-net layer needs attn_qkv and attn_gate, or ssm_in (and not both)"
-            )
-        if bool(deltanet.beta and deltanet.alpha) == bool(deltanet.beta_alpha):
-            raise UnsupportedModelError(
-                f"{facts.path}: a delta-net layer needs ssm_beta and ssm_alpha, or ssm_ba (and not both)"
-            )
+    mixer_specs = token_mixers(facts, family, dims, set(mixers or ()), present, block_norm)
     ffn_norm = block_norm(family.ffn_norm)
     # gpt-oss's post_attention_norm is its pre-FFN norm, not a norm on the attention output
     attn_post_norm = (
@@ -474,7 +485,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     )
     layers = []
     for il in range(n_layer):
-        if mixers and mixers[il] in ("conv", "ssm", "deltanet"):
+        if mixers and mixers[il] in mixer_specs:
             layers.append(
                 LayerSpec(
                     index=il,
@@ -486,9 +497,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                     attn_post_norm=attn_post_norm,
                     ffn_post_norm=block_norm("post_ffw_norm.weight"),
                     residual_scale=family.residual_scale(hp),
-                    conv=conv if mixers[il] == "conv" else None,
-                    ssm=ssm if mixers[il] == "ssm" else None,
-                    deltanet=deltanet if mixers[il] == "deltanet" else None,
+                    **{mixers[il]: mixer_specs[mixers[il]]},
                 )
             )
             continue
