@@ -54,7 +54,7 @@ def _kernel_line(ir) -> list[str]:
 def describe_components(ir) -> list[str]:
     """One line per component kind of the IR (what `alchemist inspect` prints)."""
     lay = ir.layers[0]
-    att, mlp = ir.attention_layers[0].attention, lay.mlp
+    att = ir.attention_layers[0].attention
     rope = att.rope
 
     def norm(spec) -> str:
@@ -124,7 +124,7 @@ def _recurrent_lines(ir) -> list[str]:
 def _mlp_lines(ir) -> list[str]:
     """The FFN of each kind of layer: dense, mixture of experts (router, shared expert), or both."""
     lines = []
-    kinds = list(dict.fromkeys(lay.mlp for lay in ir.layers))
+    kinds = list(dict.fromkeys(lay.mlp for lay in ir.layers if lay.mlp is not None))
     for mlp in kinds:
         where = ""
         if len(kinds) > 1:

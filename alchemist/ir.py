@@ -39,6 +39,7 @@ class Activation(str, Enum):
     SILU = "silu"
     GELU_TANH = "gelu_tanh"  # ggml_gelu: the tanh approximation
     SWIGLU_OAI = "swiglu_oai"  # gpt-oss, gated only: min(g, 7) · sigmoid(1.702 · min(g, 7)) · (clip(u, ±7) + 1)
+    RELU_SQR = "relu_sqr"  # relu(x)² (Nemotron-H)
 
 
 class NormKind(str, Enum):
@@ -65,6 +66,7 @@ class Wiring(str, Enum):
     SEQUENTIAL = "sequential"  # x += attn(norm(x)); x += mlp(norm(x)); each branch optionally post-normed
     PARALLEL = "parallel"  # x += attn(norm(x)) + mlp(norm(x)): both branches read the same residual
     ALTUP = "altup"  # gemma3n: N_ALTUP residual streams, predicted and corrected around one active stream
+    SINGLE = "single"  # x += f(norm(x)), f the layer's one sublayer: its token mixer, or (a mixer-less layer) its MLP
 
 
 class QKNormScope(str, Enum):
@@ -329,8 +331,8 @@ class AltUpLayerSpec:
 class LayerSpec:
     index: int
     wiring: Wiring
-    attention: AttentionSpec | None  # None in a layer that mixes tokens otherwise (conv)
-    mlp: MLPSpec
+    attention: AttentionSpec | None  # None in a layer that mixes tokens otherwise (conv), or not at all
+    mlp: MLPSpec | None  # None in a layer without one (Wiring.SINGLE: a token mixer alone)
     attn_norm: NormSpec | None  # before attention (and before the MLP too, in a parallel block)
     ffn_norm: NormSpec | None  # before the MLP
     attn_post_norm: NormSpec | None = None  # on the attention output, before the residual add
@@ -418,6 +420,10 @@ class ModelIR:
         """The layers that mix tokens with attention: all of them, except a hybrid's convolution layers."""
         return tuple(lay for lay in self.layers if lay.attention is not None)
 
+    def mixes(self, lay: LayerSpec) -> bool:
+        """Whether the layer mixes tokens (a Wiring.SINGLE block may hold only an MLP)."""
+        return any(m is not None for m in (lay.attention, lay.conv, lay.ssm, lay.deltanet))
+
     def _owns_caches(self, lay: LayerSpec) -> bool:
         """A layer keeps caches unless it attends to an earlier layer's keys and values (gemma3n's KV sharing)."""
         return lay.attention is None or lay.attention.kv_layer in (None, lay.index)
@@ -442,7 +448,9 @@ class ModelIR:
         """Per layer: the index (among kv_cache_layers) of the caches it reads and writes."""
         owners = self.kv_cache_layers
         return tuple(
-            owners.index(lay.index if lay.attention is None or lay.attention.kv_layer is None else lay.attention.kv_layer)
+            owners.index(
+                lay.index if lay.attention is None or lay.attention.kv_layer is None else lay.attention.kv_layer
+            )
             for lay in self.layers
         )
 
@@ -456,7 +464,9 @@ class ModelIR:
         for lay in self.layers:
             if not self._owns_caches(lay):
                 continue
-            if lay.deltanet is not None:
+            if not self.mixes(lay):
+                caches.append(())  # an MLP-only layer
+            elif lay.deltanet is not None:
                 dn = lay.deltanet
                 window = ("conv_window", (dn.conv_kernel - 1, dn.n_qkv))
                 caches.append((window, ("delta", (dn.n_v_head, dn.head_dim, dn.head_dim))))

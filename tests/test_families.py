@@ -40,7 +40,7 @@ def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
         "llama", "qwen2", "qwen3", "gemma3", "gemma", "gemma2", "phi3", "granite", "olmo2", "smollm3",
         "starcoder2", "gpt2", "stablelm", "internlm2", "exaone", "exaone4", "command-r", "cohere2", "lfm2",
         "qwen3moe", "gpt-oss", "gemma3n", "mistral3", "lfm2moe", "glm4moe", "llama4", "granitehybrid",
-        "qwen35", "qwen35moe", "qwen3next",
+        "qwen35", "qwen35moe", "qwen3next", "nemotron_h",
     }  # fmt: skip
     assert set(FAMILIES) == set(FAMILY_VALUES) == wanted
     for case in FIXTURES:
@@ -82,7 +82,7 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     # llama.cpp's own names for some intermediates: only where the family's graph names them its own way
     assert {c for c, src in sources.items() if "TAP_NAMES" in src} == {
         "lfm2", "lfm2:swa", "lfm2moe", "gpt-oss", "glm4moe", "llama4", "qwen35", "qwen35moe", "qwen3next",
-        "qwen3next:fused",
+        "qwen3next:fused", "nemotron_h",
     }  # fmt: skip
     # dense layers beside expert layers: both MLPs, chosen per layer
     assert "def moe(" in sources["lfm2moe"] and "if MOE_LAYERS[il] else mlp(" in sources["lfm2moe"]
@@ -90,8 +90,11 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     assert {c for c, src in sources.items() if "ATTENTION_CHUNK" in src} == {"llama4"}
     # recurrent states: only the Mamba-2 hybrid's forward() takes n_valid
     assert {c for c, src in sources.items() if "STATE_KINDS" in src} == {
-        "granitehybrid", "granitehybrid:moe", "qwen35", "qwen35moe", "qwen3next", "qwen3next:fused"
+        "granitehybrid", "granitehybrid:moe", "qwen35", "qwen35moe", "qwen3next", "qwen3next:fused", "nemotron_h"
     }  # fmt: skip
+    assert (
+        "FFN_LAYERS = (False, False, True, False)" in sources["nemotron_h"] and "def relu_sqr(" in sources["nemotron_h"]
+    )
     assert "def mamba2(" in sources["granitehybrid"] and "slots=None, n_valid=None\n" in sources["granitehybrid"]
     assert "def delta_net(" in sources["qwen35"] and "def mamba2(" not in sources["qwen35"]
     assert {c for c, src in sources.items() if "pt.sigmoid(gate.reshape(" in src} == {

@@ -1,4 +1,5 @@
-"""Recurrent layers (granitehybrid's Mamba-2, qwen35's gated delta-net) under the cache contract: their states
+"""Recurrent layers (granitehybrid's Mamba-2, qwen35's gated delta-net, nemotron_h's Mamba-2 blocks beside MLP-only
+blocks) under the cache contract: their states
 against llama.cpp through whole prompts, split prefills, decode steps and restarts; per slot in the serving
 engine with checkpoints at chunk boundaries for prefix reuse; and `alchemist chat` reusing a checkpoint."""
 
@@ -14,6 +15,7 @@ PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 5, 77, 300, 12, 9, 400, 33
 FAMILIES = {
     "granitehybrid": (("conv_window_cache.0", "ssm_cache.0"), (8, 64, 16)),
     "qwen35": (("conv_window_cache.0", "delta_cache.0"), (4, 64, 64)),
+    "nemotron_h": (("conv_window_cache.0", "ssm_cache.0"), (8, 64, 16)),  # and an MLP-only block without caches
 }
 
 

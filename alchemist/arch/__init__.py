@@ -20,6 +20,7 @@ from alchemist.arch import (
     internlm2,
     lfm2,
     lfm2moe,
+    nemotron_h,
     llama,
     llama4,
     mistral3,
@@ -70,6 +71,7 @@ FAMILY_MODULES = (
     gemma3n,
     mistral3,
     lfm2moe,
+    nemotron_h,
     glm4moe,
     llama4,
 )

@@ -72,13 +72,28 @@ def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None) ->
         n_head=n_head,
         n_kv_head=n_kv_head,
         head_dim=head_dim,
-        n_ff=hp.int("feed_forward_length", minimum=1),
+        n_ff=_ffn_width(facts, hp),
         rope_dim=rope_dim,
         n_ctx=hp.int("context_length", minimum=1),
         conv_kernel=hp.int("shortconv.l_cache", minimum=2) if mixers and "conv" in mixers else 0,
         n_layer=hp.int("block_count", minimum=1),
         **(_ssm_dims(facts, hp) if mixers and {"ssm", "deltanet"} & set(mixers) else {}),
     )
+
+
+def _ffn_width(facts: GGUFFacts, hp: Hparams) -> int:
+    """feed_forward_length: a scalar, or a per-layer array whose non-zero entries (the layers with an MLP, in a
+    family whose other layers have none) agree."""
+    n_layer = hp.int("block_count", minimum=1)
+    widths = hp.ints("feed_forward_length", n_layer)
+    if widths is None:
+        return hp.int("feed_forward_length", minimum=1)
+    used = sorted(set(widths) - {0})
+    if len(used) != 1:
+        raise UnsupportedModelError(
+            f"{facts.path}: {hp.key('feed_forward_length')}: layers with MLPs of widths {used} are not supported"
+        )
+    return used[0]
 
 
 def _ssm_dims(facts: GGUFFacts, hp: Hparams) -> dict:
@@ -472,7 +487,11 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     if ffns is None:
         mlp_of = [mlp_spec(router is not None)] * n_layer
     else:
-        kinds = {kind: mlp_spec(kind == "moe" and router is not None) for kind in dict.fromkeys(ffns)}
+        # "none": a layer without an MLP (Wiring.SINGLE: its token mixer alone)
+        kinds = {
+            kind: None if kind == "none" else mlp_spec(kind == "moe" and router is not None)
+            for kind in dict.fromkeys(ffns)
+        }
         mlp_of = [kinds[kind] for kind in ffns]
     # a delta-net's [q | k | v] is named like a fused attention projection; attention layers beside it are split
     fused = table.get("attn_qkv.weight")
@@ -485,7 +504,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     )
     layers = []
     for il in range(n_layer):
-        if mixers and mixers[il] in mixer_specs:
+        if mixers and mixers[il] in (*mixer_specs, "none"):
             layers.append(
                 LayerSpec(
                     index=il,
@@ -497,7 +516,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                     attn_post_norm=attn_post_norm,
                     ffn_post_norm=block_norm("post_ffw_norm.weight"),
                     residual_scale=family.residual_scale(hp),
-                    **{mixers[il]: mixer_specs[mixers[il]]},
+                    **({mixers[il]: mixer_specs[mixers[il]]} if mixers[il] != "none" else {}),
                 )
             )
             continue

@@ -91,8 +91,8 @@ def _environment() -> jinja2.Environment:
 
 def _structure(layer: LayerSpec) -> LayerSpec:
     """A layer with its per-layer numbers blanked: what must be the same in every layer to share one block()."""
-    att, mlp = layer.attention, dataclasses.replace(layer.mlp, sparsity_std=0.0)
-    if att is None:  # a hybrid's convolution layer
+    att, mlp = layer.attention, layer.mlp and dataclasses.replace(layer.mlp, sparsity_std=0.0)
+    if att is None:  # a hybrid's layer mixing tokens otherwise, or not at all
         return dataclasses.replace(layer, index=0, mlp=mlp)
     rope = dataclasses.replace(att.rope, base=0.0, freq_scale=0.0, style=RopeStyle.NONE)
     att = dataclasses.replace(att, chunk=0)  # per layer: ATTENTION_CHUNK
@@ -120,7 +120,8 @@ def check_renderable(ir: ModelIR) -> None:
     # the first layer of each token mixer and FFN kind: a hybrid's layers agree with the first of their kind
     mixers = {}
     for lay in ir.layers:
-        ref = mixers.setdefault((lay.attention is None, lay.mlp.router is not None), lay)
+        kind = (ir.mixes(lay), lay.attention is None, lay.mlp is None or lay.mlp.router is not None)
+        ref = mixers.setdefault(kind, lay)
         if _structure(lay) != _structure(ref) or _mixerless(lay) != _mixerless(first):
             raise UnsupportedModelError(
                 f"{ir.source_file}: layer {lay.index} differs from layer {ref.index} in more than its window and RoPE "
@@ -131,8 +132,15 @@ def check_renderable(ir: ModelIR) -> None:
     att = ir.attention_layers[0].attention
     problems = []
     conv, ssm, deltanet = _conv(ir), _ssm(ir), _deltanet(ir)
-    if any([lay.attention, lay.conv, lay.ssm, lay.deltanet].count(None) != 3 for lay in ir.layers):
-        problems.append("a layer needs exactly one token mixer (attention, a convolution, Mamba-2 or a delta-net)")
+    if any([lay.attention, lay.conv, lay.ssm, lay.deltanet].count(None) < 3 for lay in ir.layers):
+        problems.append("a layer with more than one token mixer")
+    single = first.wiring is Wiring.SINGLE
+    if any((not ir.mixes(lay) or lay.mlp is None) and not single for lay in ir.layers):
+        problems.append("a layer without a token mixer or without an MLP outside a single-sublayer block")
+    if single and any(ir.mixes(lay) == (lay.mlp is not None) for lay in ir.layers):
+        problems.append("a single-sublayer block with both a token mixer and an MLP, or neither")
+    if single and (first.ffn_norm or first.attn_post_norm or first.ffn_post_norm or first.attn_norm is None):
+        problems.append("a single-sublayer block needs one input norm and no other")
     if sum(x is not None for x in (conv, ssm, deltanet)) > 1:
         problems.append("more than one kind of token mixer beside attention")
     if deltanet is not None and (deltanet.conv_kernel < 2 or deltanet.n_v_head % deltanet.n_k_head):
@@ -141,7 +149,7 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("gated attention outside a delta-net hybrid, or a delta-net beside ungated attention")
     if conv is not None and conv.kernel < 2:
         problems.append(f"a convolution of length {conv.kernel} (at least 2)")
-    if (conv or ssm or deltanet) is not None and first.wiring is not Wiring.SEQUENTIAL:
+    if (conv or ssm or deltanet) is not None and first.wiring not in (Wiring.SEQUENTIAL, Wiring.SINGLE):
         problems.append("convolution, Mamba-2 or delta-net layers in a parallel block")
     if ssm is not None and (ssm.conv_kernel < 2 or ssm.n_head % ssm.n_group or ssm.n_inner % ssm.n_head):
         problems.append(f"a Mamba-2 mixer of {ssm.n_head} heads, {ssm.n_group} groups, convolution {ssm.conv_kernel}")
@@ -161,7 +169,7 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("attention biases that do not match its projections")
     if bool(att.q_norm) != bool(att.k_norm):
         problems.append("a q norm without a k norm (or the reverse)")
-    for mlp in dict.fromkeys(lay.mlp for lay in ir.layers):
+    for mlp in dict.fromkeys(lay.mlp for lay in ir.layers if lay.mlp is not None):
         if (mlp.kind is MLPKind.MOE) != bool(mlp.router):
             problems.append("a mixture of experts without a router (or a router outside one)")
         if (
@@ -181,7 +189,7 @@ def check_renderable(ir: ModelIR) -> None:
     dense, moe = _ffn_kinds(ir)
     if dense and moe and (dense.kind is not MLPKind.GATED or dense.activation is not moe.activation):
         problems.append("dense layers beside expert layers need a gated MLP of the same activation")
-    if dense and moe and (ir.altup is not None or any(lay.mlp.sparsity_std for lay in ir.layers)):
+    if dense and moe and (ir.altup is not None or any(_sparsity(lay) for lay in ir.layers)):
         problems.append("dense layers beside expert layers in the AltUp block or with activation sparsity")
     if dense and moe and first.wiring is not Wiring.SEQUENTIAL:
         problems.append("dense layers beside expert layers in a parallel block")
@@ -203,10 +211,23 @@ def _mixerless(layer: LayerSpec) -> LayerSpec:
     return dataclasses.replace(_structure(layer), attention=None, conv=None, ssm=None, deltanet=None, mlp=None)
 
 
+def _sparsity(lay: LayerSpec) -> float:
+    return lay.mlp.sparsity_std if lay.mlp is not None else 0.0
+
+
+def _activations(ir: ModelIR) -> list[Activation]:
+    """The activation functions the module defines: the MLPs', and SiLU where a Mamba-2 or delta-net mixer gates."""
+    dense, moe = _ffn_kinds(ir)
+    acts = [(dense or moe).activation]
+    if (_ssm(ir) or _deltanet(ir)) is not None and Activation.SILU not in acts:
+        acts.append(Activation.SILU)
+    return acts
+
+
 def _ffn_kinds(ir: ModelIR) -> tuple[MLPSpec | None, MLPSpec | None]:
     """(the dense layers' MLP, the expert layers' MLP), None where the model has no such layer."""
-    dense = next((lay.mlp for lay in ir.layers if lay.mlp.router is None), None)
-    moe = next((lay.mlp for lay in ir.layers if lay.mlp.router is not None), None)
+    dense = next((lay.mlp for lay in ir.layers if lay.mlp is not None and lay.mlp.router is None), None)
+    moe = next((lay.mlp for lay in ir.layers if lay.mlp is not None and lay.mlp.router is not None), None)
     return dense, moe
 
 
@@ -229,7 +250,7 @@ def _altup_problems(ir: ModelIR) -> list[str]:
     """What the AltUp block and the shared-KV attention templates (gemma3n's components) cannot render."""
     first = ir.layers[0]
     att, problems = ir.attention_layers[0].attention, []
-    sparse = any(lay.mlp.sparsity_std for lay in ir.layers)
+    sparse = any(_sparsity(lay) for lay in ir.layers)
     if sparse and first.mlp.kind is not MLPKind.GATED:
         problems.append("activation sparsity outside a gated MLP")
     if att.v_norm is not None and att.kv_layer is None:
@@ -278,7 +299,7 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
     att = ir.attention_layers[0].attention
     dense, moe = _ffn_kinds(ir)
     mixed = dense is not None and moe is not None
-    mlp = dense if mixed else first.mlp  # N_FF: the dense layers' width beside experts
+    mlp = dense or moe  # N_FF: the dense layers' width beside experts
     style = _rope_style(ir)
     rows = [
         ("ARCHITECTURE", ir.architecture, ""),
@@ -369,6 +390,8 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
                 "the caches that hold one state per sequence, not a row per position",
             ),
         ]
+    if first.wiring is Wiring.SINGLE:
+        rows.append(("FFN_LAYERS", tuple(lay.mlp is not None for lay in ir.layers), "per layer: an MLP, not a mixer"))
     deltanet = _deltanet(ir)
     if deltanet is not None:
         rows += [
@@ -389,8 +412,8 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         rows.append(("KV_CACHE_OF", ir.kv_cache_of, "per layer: the KV cache its attention reads"))
         writes = tuple(lay.attention.kv_layer == lay.index for lay in ir.layers)
         rows.append(("WRITES_KV", writes, "per layer: computes and caches keys/values"))
-    if any(lay.mlp.sparsity_std for lay in ir.layers):
-        sparsity = tuple(lay.mlp.sparsity_std for lay in ir.layers)
+    if any(_sparsity(lay) for lay in ir.layers):
+        sparsity = tuple(_sparsity(lay) for lay in ir.layers)
         rows.append(("ACTIVATION_SPARSITY", sparsity, "per layer, see gaussian_topk; 0: dense"))
     if ir.altup is not None:
         pli, al = ir.altup.per_layer_input, first.altup
@@ -452,7 +475,7 @@ def template_context(ir: ModelIR) -> dict:
         )
     altup = ir.altup is not None
     if altup:
-        n_sparse = sum(1 for lay in ir.layers if lay.mlp.sparsity_std)
+        n_sparse = sum(1 for lay in ir.layers if _sparsity(lay))
         n_shared = ir.n_layer - len(ir.kv_cache_layers)
         summary += (
             f"\nAltUp: {ir.altup.n_streams} residual streams; a per-layer input of {ir.altup.per_layer_input.width} "
@@ -463,7 +486,7 @@ def template_context(ir: ModelIR) -> dict:
         attention_template="attention" if att.kv_layer is None else "attention_shared_kv",
         block_components=(["laurel"] if first.laurel else []) + (["altup"] if altup else []),
         forward_template="forward_altup" if altup else "forward",
-        sparse_mlp=any(lay.mlp.sparsity_std for lay in ir.layers),
+        sparse_mlp=any(_sparsity(lay) for lay in ir.layers),
         altup=ir.altup,
         arch=ir.architecture,
         summary=summary,
@@ -477,8 +500,8 @@ def template_context(ir: ModelIR) -> dict:
         constants=_constant_rows(ir),
         norm_kinds=norm_kinds,
         primitives=_primitives(ir, style, norm_kinds),
-        activation=first.mlp.activation.value,
-        act_fn=ACTIVATION_FUNCTIONS[first.mlp.activation],
+        activations=[act.value for act in _activations(ir)],
+        act_fn=ACTIVATION_FUNCTIONS[_activations(ir)[0]],
         rope=style is not RopeStyle.NONE,
         rope_style=style.value,
         rope_layers=any(lay.attention.rope.style is RopeStyle.NONE for lay in ir.attention_layers)
@@ -487,7 +510,7 @@ def template_context(ir: ModelIR) -> dict:
         ssm=ssm,
         deltanet=deltanet,
         recurrent=ssm is not None or deltanet is not None,
-        hybrid=conv is not None or ssm is not None or deltanet is not None,
+        hybrid=conv is not None or ssm is not None or deltanet is not None or first.wiring is Wiring.SINGLE,
         tap_names=bool(ir.tap_names),
         rope_factors=att.rope.freq_factors,
         rope_scaling=att.rope.scaling.value,
@@ -495,7 +518,7 @@ def template_context(ir: ModelIR) -> dict:
         rope_attn_factor=att.rope.attn_factor,
         layer=first,
         att=att,
-        mlp=dense if mixed else first.mlp,  # the dense one beside experts
+        mlp=dense or moe,  # the dense one beside experts
         moe=moe,
         mixed_ffn=mixed,
         chunks=any(lay.attention.chunk for lay in ir.attention_layers),
@@ -512,7 +535,7 @@ def _primitives(ir: ModelIR, style: RopeStyle, norm_kinds: list[str]) -> list[st
 
     from alchemist.kernels.primitives import Primitives
 
-    defined = {"project", "causal_attention", ACTIVATION_FUNCTIONS[ir.layers[0].mlp.activation]}
+    defined = {"project", "causal_attention", *(ACTIVATION_FUNCTIONS[act] for act in _activations(ir))}
     defined |= {f"{kind}_norm" for kind in norm_kinds}
     if _ffn_kinds(ir)[1] is not None:
         defined.add("project_experts")
@@ -521,7 +544,12 @@ def _primitives(ir: ModelIR, style: RopeStyle, norm_kinds: list[str]) -> list[st
     return [f.name for f in fields(Primitives) if f.name in defined]
 
 
-ACTIVATION_FUNCTIONS = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu", Activation.SWIGLU_OAI: "swiglu_oai"}
+ACTIVATION_FUNCTIONS = {
+    Activation.SILU: "silu",
+    Activation.GELU_TANH: "gelu",
+    Activation.SWIGLU_OAI: "swiglu_oai",
+    Activation.RELU_SQR: "relu_sqr",
+}
 
 
 def render_module(ir: ModelIR) -> str:

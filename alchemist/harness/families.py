@@ -24,7 +24,9 @@ TABLE_END = "<!-- architectures:end -->"
 def quirks(ir: ModelIR) -> list[str]:
     """What a model computes differently from llama, component by component (from its IR)."""
     lay = ir.layers[0]
-    att, mlp = ir.attention_layers[0].attention, lay.mlp
+    att = ir.attention_layers[0].attention
+    mlps = [x.mlp for x in ir.layers if x.mlp is not None]  # (a single-sublayer block may hold none)
+    mlp = mlps[0]
     styles = {x.attention.rope.style for x in ir.attention_layers}
     out = []
     n_conv = sum(x.conv is not None for x in ir.layers)
@@ -44,6 +46,9 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append("learned positions")
     if lay.wiring is Wiring.PARALLEL:
         out.append("parallel block")
+    if lay.wiring is Wiring.SINGLE:
+        n_mlp = sum(x.mlp is not None for x in ir.layers)
+        out.append(f"one sublayer per block (MLP-only blocks: {n_mlp} of {ir.n_layer})")
     if lay.attn_norm is None and lay.attn_post_norm is not None:
         out.append("post-norm only")
     elif lay.attn_post_norm is not None:
@@ -82,12 +87,12 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append("sliding window")
     if any(x.attention.chunk for x in ir.attention_layers):
         out.append("chunked attention")
-    moe = next((x.mlp for x in ir.layers if x.mlp.router), None)
+    moe = next((x for x in mlps if x.router), None)
     if moe:
         r = moe.router
         act = "" if moe.activation.value == "silu" else f", {moe.activation.value}"
-        n_dense = sum(x.mlp.router is None for x in ir.layers)
-        leading = all(x.mlp.router is None for x in ir.layers[:n_dense])
+        n_dense = sum(x.router is None for x in mlps)
+        leading = all(x.router is None for x in mlps[:n_dense])
         where = f" after {n_dense} dense layer{'s' if n_dense > 1 else ''}" if n_dense and leading else ""
         if n_dense and not leading:
             where = f" in {ir.n_layer - n_dense} of {ir.n_layer} layers"
@@ -100,7 +105,7 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append(f"{mlp.kind.value.replace('_', ' ')} {mlp.activation.value} MLP")
     if mlp.up_bias:
         out.append("MLP bias")
-    if any(x.mlp.sparsity_std for x in ir.layers):
+    if any(x.sparsity_std for x in mlps):
         out.append("activation sparsity")
     if ir.altup is not None:
         out.append(f"AltUp ({ir.altup.n_streams} streams) with per-layer inputs")

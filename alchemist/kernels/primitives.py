@@ -22,6 +22,7 @@ class Primitives:
     silu: Callable | None = None  # (x)
     gelu: Callable | None = None  # (x)
     swiglu_oai: Callable | None = None  # (gate, up)
+    relu_sqr: Callable | None = None  # (x)
     rope_angles: Callable | None = None  # (w, il, positions[, n_ctx]) -> (tokens, ROPE_DIM/2) angles
     rope: Callable | None = None  # (x, angles)
     causal_attention: Callable | None = None  # (q, keys, values, q_positions, key_positions, window[, sinks])
