@@ -417,10 +417,13 @@ class Engine:
         if not token_ids:
             raise AlchemistError("run() needs at least one token")
         if self.states and start_pos not in (0, self.state_position):
-            raise AlchemistError(
-                f"run() at position {start_pos}: this model's recurrent state holds positions 0..{self.state_position - 1}; "
-                f"continue at {self.state_position} or start again at 0"
+            held = (
+                "is unknown after a failed step;"
+                if self.state_position is None
+                else f"holds positions 0..{self.state_position - 1}; continue at {self.state_position} or"
             )
+            raise AlchemistError(f"run() at position {start_pos}: this model's recurrent state {held} start again at 0")
+        self.state_position = None  # until the steps have run
         out = self._run_steps(token_ids, start_pos, all_logits)
         self.state_position = start_pos + len(token_ids)
         return out
