@@ -34,6 +34,10 @@ from alchemist.runtime.engine import import_generated  # noqa: E402
 FAMILY_TYPES = ("F32", "Q8_0", "Q4_K")
 # a case's own quantized files on top of those, as its real files ship (gpt-oss: experts MXFP4, the rest Q8_0)
 CASE_TYPES = {"gpt-oss": ("MXFP4_MOE",)}
+# mixtures of experts whose quantized fixtures route a token by a near-tie that llama.cpp's activation rounding
+# decides the other way (docs/architectures.md): exact activations pick the other expert, so their quantized
+# files are held to numerics="ggml" through the kernels instead (llama.cpp's arithmetic: logits equal)
+ROUTING_NEAR_TIES = ("qwen35moe", "qwen3next")
 PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
 CONTEXT = 64
 OTHER_TYPES = tuple(t for t in ("F16", *FIXTURE_QTYPES) if t not in FAMILY_TYPES)
@@ -60,9 +64,10 @@ def _validate_types(fixture_files, shared_engines, case, backend, wtypes, n_gen_
     results = {}
     for wtype in wtypes:
         path = fixture_files(case, wtype)
-        loaded = load_for_validation(str(path))
-        kernels = kernels_for(wtype)
-        key = (case, backend, wtype if kernels else "float32")
+        numerics = "ggml" if case in ROUTING_NEAR_TIES and wtype != "F32" else "exact"
+        loaded = load_for_validation(str(path), numerics=numerics)
+        kernels = kernels_for(wtype) or numerics == "ggml"
+        key = (case, backend, wtype if kernels else "float32", numerics)
         if key not in shared_engines:
             shared_engines[key] = loaded.engine(backend, CONTEXT, kernels)
         with LlamaCppOracle(str(path), n_ctx=CONTEXT, n_threads=1) as oracle:
@@ -88,7 +93,7 @@ def _check_family(fixture_files, shared_engines, case, backend, n_greedy, layers
         assert "layers" not in results["F32"]
     if n_greedy:
         assert results["F32"]["greedy"]["n_agree"] == n_greedy
-    assert not results["Q4_K"]["quantized_kernels"]
+    assert not results["Q4_K"]["quantized_kernels"] or case in ROUTING_NEAR_TIES
 
 
 @pytest.mark.parametrize("case", FIXTURES)
@@ -126,7 +131,7 @@ def test_kernels_path(fixture_files, shared_engines, case, backend):
 def test_family_fixture_static_backends(fixture_files, shared_engines, case, backend):
     results = _validate_types(fixture_files, shared_engines, case, backend, ("F32", "Q4_K"), lambda wtype: 32)
     assert results["F32"]["layers"]["max_nmse"] <= 1e-6
-    assert not results["Q4_K"]["quantized_kernels"]  # JAX and MLX multiply float32 weights
+    assert not results["Q4_K"]["quantized_kernels"] or case in ROUTING_NEAR_TIES  # JAX and MLX multiply float32 weights
 
 
 @pytest.mark.parametrize("case", LLAMA_LIKE)
