@@ -49,17 +49,19 @@ GRANITE_SCALES = (
     ("rope.scaling.finetuned", False),
 )
 
-FAMILY = Family(
-    name="granitehybrid",
-    tensors=TOKEN_EMBD
+# what the Mamba-2 hybrids share (nemotron_h too): the embeddings, the input norm, and both token mixers
+MIXERS = (
+    TOKEN_EMBD
     + OUTPUT_NORM
     + OUTPUT
     + ATTN_NORM
     + SSM_MAMBA2
     + only_in("attention", *ATTN_QKV_SPLIT, *ATTN_OUT, *optional(*ATTN_QKV_BIAS, *ATTN_OUT_BIAS))
-    + FFN_NORM
-    + alternative("dense", *FFN_GATED)
-    + alternative("moe", *FFN_MOE, *optional(*FFN_SHEXP)),
+)
+
+FAMILY = Family(
+    name="granitehybrid",
+    tensors=MIXERS + FFN_NORM + alternative("dense", *FFN_GATED) + alternative("moe", *FFN_MOE, *optional(*FFN_SHEXP)),
     rope=RopeStyle.NORM,
     activation=Activation.SILU,
     layer_mixers=recurrent_where_no_kv_heads("ssm"),

@@ -6,20 +6,10 @@ feed_forward_length is 0, else an MLP, down(relu(up(x))²). The per-layer arrays
 """
 
 from alchemist.arch.family import Family, FixtureSpec, attention_scale_key
-from alchemist.arch.granitehybrid import SSM_FIXTURE
+from alchemist.arch.granitehybrid import MIXERS, SSM_FIXTURE
 from alchemist.arch.table import (
-    ATTN_NORM,
-    ATTN_OUT,
-    ATTN_OUT_BIAS,
-    ATTN_QKV_BIAS,
-    ATTN_QKV_SPLIT,
     FFN_PLAIN,
     FFN_PLAIN_BIAS,
-    OUTPUT,
-    OUTPUT_NORM,
-    SSM_MAMBA2,
-    TOKEN_EMBD,
-    only_in,
     only_in_ffn,
     optional,
 )
@@ -41,13 +31,7 @@ def _mixers(hp, n_layer: int) -> list[str]:
 
 FAMILY = Family(
     name="nemotron_h",
-    tensors=TOKEN_EMBD
-    + OUTPUT_NORM
-    + OUTPUT
-    + ATTN_NORM
-    + SSM_MAMBA2
-    + only_in("attention", *ATTN_QKV_SPLIT, *ATTN_OUT, *optional(*ATTN_QKV_BIAS, *ATTN_OUT_BIAS))
-    + only_in_ffn("dense", *FFN_PLAIN, *optional(*FFN_PLAIN_BIAS)),
+    tensors=MIXERS + only_in_ffn("dense", *FFN_PLAIN, *optional(*FFN_PLAIN_BIAS)),
     rope=RopeStyle.NONE,
     activation=Activation.RELU_SQR,
     wiring=Wiring.SINGLE,
