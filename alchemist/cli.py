@@ -77,6 +77,7 @@ def describe_components(ir) -> list[str]:
             else []
         ),
         *_recurrent_lines(ir),
+        *_latent_lines(ir),
         f"layers        {ir.n_layer}   d_model {ir.n_embd}   {lay.wiring.value} block, norms: attn {norm(lay.attn_norm)}, "
         f"ffn {norm(lay.ffn_norm)}, post {norm(lay.attn_post_norm)}/{norm(lay.ffn_post_norm)}"
         + (f", residual x{lay.residual_scale:g}" if lay.residual_scale != 1.0 else ""),
@@ -121,6 +122,22 @@ def _recurrent_lines(ir) -> list[str]:
     return lines
 
 
+def _latent_lines(ir) -> list[str]:
+    """Multi-head latent attention: how queries, keys and values reach the one cached row, and its size."""
+    att = ir.attention_layers[0].attention
+    lat = att.latent
+    if lat is None:
+        return []
+    queries = "attn_q" if lat.q else f"low rank {ir.tensor('blk.0.' + lat.q_a).shape[0]} (attn_q_a, norm, attn_q_b)"
+    row = att.head_dim * 4 * len(ir.kv_cache_layers)
+    return [
+        f"latent attn   queries by {queries}, per head {lat.head_dim_nope} + {att.rope.dim} RoPE dims; keys and "
+        f"values from one row of {lat.kv_lora_rank} latent + {att.rope.dim} RoPE dims per position "
+        f"({row / 2**10:.1f} KiB per position, all layers); heads through attn_k_b, values of {lat.head_dim_v} "
+        "through attn_v_b"
+    ]
+
+
 def _mlp_lines(ir) -> list[str]:
     """The FFN of each kind of layer: dense, mixture of experts (router, shared expert), or both."""
     lines = []
@@ -134,6 +151,7 @@ def _mlp_lines(ir) -> list[str]:
         if r:
             line += f", {r.n_expert} experts, top-{r.n_expert_used} by {r.gating.value}"
             line += ", selection bias" if r.selection_bias else ""
+            line += f", within the best {r.n_group_used} of {r.n_group} groups" if r.n_group else ""
             line += ", weights renormalized" if r.normalize else ""
             line += f" x{r.weight_scale:g}" if r.weight_scale != 1.0 else ""
             line += ", weighting the expert's input" if r.weight_inputs else ""

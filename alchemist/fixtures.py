@@ -144,6 +144,10 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         ssm_state=int(extra.get("ssm.state_size", 0)),
         ssm_head=int(extra.get("ssm.time_step_rank", 0)),
         ssm_group=int(extra.get("ssm.group_count", 0)),
+        q_lora=int(extra.get("attention.q_lora_rank", 0)),
+        kv_lora=int(extra.get("attention.kv_lora_rank", 0)),
+        head_dim_mla=int(extra.get("attention.key_length_mla", 0)),
+        head_dim_v_mla=int(extra.get("attention.value_length_mla", 0)),
     )
     mixers = _layer_mixers(family, arch, extra, n_layer)
     ffns = _layer_ffns(family, arch, extra, n_layer)
@@ -160,8 +164,10 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     w.add_head_count(cfg.n_head)
     if "attention.head_count_kv" not in extra:  # else per layer (a hybrid's), written with the extras
         w.add_head_count_kv(cfg.n_kv_head)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    if "attention.key_length" not in extra:  # else a latent attention's row (deepseek2), with the extras
+        w.add_key_length(cfg.head_dim)
+    if "attention.value_length" not in extra:
+        w.add_value_length(cfg.head_dim)
     w.add_float32(f"{arch}.{EPS_KEYS[family.norm]}", cfg.norm_eps)
     w.add_rope_freq_base(cfg.rope_base)
     w.add_rope_dimension_count(dims.rope_dim)
@@ -187,7 +193,7 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
             # a decisive router (logits of spread ~4): llama.cpp's activation rounding on quantized files must
             # not flip which experts a token picks, and where two are close, neither weighs much
             return (4.0 * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-        if role in ("linear", "experts"):
+        if role in ("linear", "experts", "heads"):
             return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(wdtype)
         if role == "embedding":  # another table read by token (gemma3n's per-layer embeddings)
             return (rng.standard_normal(shape) * embedding_std).astype(wdtype)

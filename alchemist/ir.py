@@ -138,6 +138,29 @@ class AttentionTemperature:
 
 
 @dataclass(frozen=True)
+class LatentAttentionSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3; llama.cpp deepseek2.cpp's absorbed-weight form). Keys and
+    values of every head come from one compressed row per position, [latent (kv_lora_rank) | k_pe (the RoPE
+    part)], which is all the cache keeps: each query head's non-rotated part goes through its attn_k_b into the
+    latent space, attention reads the cached rows as one KV head (their latent part as values), and each head's
+    output comes back through its attn_v_b. AttentionSpec then has one KV head of head_dim = kv_lora_rank + the
+    RoPE dims."""
+
+    kv_lora_rank: int
+    head_dim_nope: int  # per query head: the part that is not rotated (key_length_mla - rope dims)
+    head_dim_v: int  # per head: the value size after decompression (value_length_mla)
+    kv_a: str  # attn_kv_a_mqa.weight: x -> [latent | k_pe]
+    kv_a_norm: NormSpec  # RMS norm of the latent
+    k_b: str  # attn_k_b.weight (n_head, kv_lora_rank, head_dim_nope)
+    v_b: str  # attn_v_b.weight (n_head, head_dim_v, kv_lora_rank)
+    # queries: attn_q.weight (the "lite" models), or through a low rank: attn_q_a, its RMS norm, attn_q_b
+    q: str | None = None
+    q_a: str | None = None
+    q_a_norm: NormSpec | None = None
+    q_b: str | None = None
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     n_head: int
     n_kv_head: int
@@ -177,6 +200,9 @@ class AttentionSpec:
     # the q projection gives each head's queries and then as many gate values: the attention output times
     # sigmoid(gate) before the output projection (Qwen3-Next, Qwen3.5)
     output_gate: bool = field(default=False, metadata=LATER)
+    # multi-head latent attention (DeepSeek): the projections above are None; n_kv_head is 1 and head_dim the
+    # cached row's width
+    latent: LatentAttentionSpec | None = field(default=None, metadata=LATER)
 
     @property
     def group_size(self) -> int:
@@ -199,6 +225,10 @@ class RouterSpec:
     weight_scale: float = 1.0
     # exp_probs_b.bias (n_expert,): added to the scores to choose the experts; the weights are the unbiased scores
     selection_bias: str | None = field(default=None, metadata=LATER)
+    # group-limited routing (DeepSeek-V3): the experts in n_group groups of equal size; a token chooses among the
+    # n_group_used groups whose two best selection scores sum highest; 0: no groups
+    n_group: int = field(default=0, metadata=LATER)
+    n_group_used: int = field(default=0, metadata=LATER)
     # the routing weight multiplies the token before its expert instead of the expert's output (Llama 4; one expert)
     weight_inputs: bool = field(default=False, metadata=LATER)
 
@@ -459,7 +489,8 @@ class ModelIR:
         for "k" and "v" (N_KV_HEAD, HEAD_DIM) of attention and "conv" (n_embd,) (the gated input B·X) of a short
         convolution; of one sequence's state (STATE_KINDS) for a Mamba-2 layer's "conv_window"
         (conv_kernel - 1, n_xbc), its last inputs, and "ssm" (n_head, head_dim, n_state), and for a delta-net
-        layer's "conv_window" (conv_kernel - 1, n_qkv) and "delta" (n_v_head, head_dim of k, head_dim of v)."""
+        layer's "conv_window" (conv_kernel - 1, n_qkv) and "delta" (n_v_head, head_dim of k, head_dim of v); a
+        latent attention layer's one "kv_latent" (1, kv_lora_rank + RoPE dims), keys and values in one row."""
         caches = []
         for lay in self.layers:
             if not self._owns_caches(lay):
@@ -476,6 +507,8 @@ class ModelIR:
                 caches.append((window, ("ssm", (ssm.n_head, ssm.head_dim, ssm.n_state))))
             elif lay.conv is not None:
                 caches.append((("conv", (self.n_embd,)),))
+            elif lay.attention.latent is not None:
+                caches.append((("kv_latent", (1, lay.attention.head_dim)),))
             else:
                 row = (lay.attention.n_kv_head, lay.attention.head_dim)
                 caches.append((("k", row), ("v", row)))

@@ -40,7 +40,7 @@ def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
         "llama", "qwen2", "qwen3", "gemma3", "gemma", "gemma2", "phi3", "granite", "olmo2", "smollm3",
         "starcoder2", "gpt2", "stablelm", "internlm2", "exaone", "exaone4", "command-r", "cohere2", "lfm2",
         "qwen3moe", "gpt-oss", "gemma3n", "mistral3", "lfm2moe", "glm4moe", "llama4", "granitehybrid",
-        "qwen35", "qwen35moe", "qwen3next", "nemotron_h",
+        "qwen35", "qwen35moe", "qwen3next", "nemotron_h", "deepseek2",
     }  # fmt: skip
     assert set(FAMILIES) == set(FAMILY_VALUES) == wanted
     for case in FIXTURES:
@@ -86,7 +86,13 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     }  # fmt: skip
     # dense layers beside expert layers: both MLPs, chosen per layer
     assert "def moe(" in sources["lfm2moe"] and "if MOE_LAYERS[il] else mlp(" in sources["lfm2moe"]
-    assert {c for c, src in sources.items() if "MOE_LAYERS" in src} == {"lfm2moe", "glm4moe", "llama4"}
+    assert {c for c, src in sources.items() if "MOE_LAYERS" in src} == {
+        "lfm2moe", "glm4moe", "llama4", "deepseek2", "deepseek2:lite"
+    }  # fmt: skip
+    # latent attention: its own attention and per-head products; group-limited routing
+    assert {c for c, src in sources.items() if "def project_heads(" in src} == {"deepseek2", "deepseek2:lite"}
+    assert "attn_q_a.weight" in sources["deepseek2"] and "attn_q_a.weight" not in sources["deepseek2:lite"]
+    assert {c for c, src in sources.items() if "def limit_groups(" in src} == {"deepseek2"}
     assert {c for c, src in sources.items() if "ATTENTION_CHUNK" in src} == {"llama4"}
     # recurrent states: only the Mamba-2 hybrid's forward() takes n_valid
     assert {c for c, src in sources.items() if "STATE_KINDS" in src} == {
@@ -112,6 +118,11 @@ def test_quirks_name_what_differs_from_llama(fixture_irs):
     assert quirks(fixture_irs["lfm2"])[:2] == ["short-conv layers (2 of 4)", "q/k rms norm per head"]
     assert quirks(fixture_irs["granitehybrid"])[0] == "Mamba-2 layers (3 of 4)"
     assert quirks(fixture_irs["qwen35"])[:2] == ["delta-net layers (3 of 4)", "gated attention"]
+    deepseek = quirks(fixture_irs["deepseek2"])
+    assert deepseek[0] == "latent attention (one cached row of 288, low-rank queries)"
+    assert "partial rotary" not in deepseek
+    assert any("best 2 of 4 groups, selection bias, shared expert" in q for q in deepseek)
+    assert quirks(fixture_irs["deepseek2:lite"])[0] == "latent attention (one cached row of 288)"
 
 
 def test_readme_table_is_generated_from_current_results(fixture_irs):

@@ -61,6 +61,8 @@ SLOT_CASES = [
     ("lfm2moe", "F32", "c"),
     # RoPE-less and chunked layers, one expert weighting its input, a shared expert
     ("llama4", "F32", "c"),
+    # latent attention: one cached row per position for every head; group-limited routing
+    ("deepseek2", "F32", "c"),
 ]
 
 

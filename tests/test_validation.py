@@ -37,7 +37,7 @@ CASE_TYPES = {"gpt-oss": ("MXFP4_MOE",)}
 # mixtures of experts whose quantized fixtures route a token by a near-tie that llama.cpp's activation rounding
 # decides the other way (docs/architectures.md): exact activations pick the other expert, so their quantized
 # files are held to numerics="ggml" through the kernels instead (llama.cpp's arithmetic: logits equal)
-ROUTING_NEAR_TIES = ("qwen35moe", "qwen3next")
+ROUTING_NEAR_TIES = ("qwen35moe", "qwen3next", "deepseek2")
 PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
 CONTEXT = 64
 OTHER_TYPES = tuple(t for t in ("F16", *FIXTURE_QTYPES) if t not in FAMILY_TYPES)

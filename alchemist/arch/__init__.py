@@ -6,6 +6,7 @@ from __future__ import annotations
 from alchemist.arch import (
     cohere2,
     command_r,
+    deepseek2,
     exaone,
     exaone4,
     gemma,
@@ -74,6 +75,7 @@ FAMILY_MODULES = (
     nemotron_h,
     glm4moe,
     llama4,
+    deepseek2,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

@@ -32,6 +32,7 @@ from alchemist.ir import (
     RopeSpec,
     RopeStyle,
     DeltaNetSpec,
+    LatentAttentionSpec,
     RouterSpec,
     ShortConvSpec,
     SSMSpec,
@@ -42,9 +43,9 @@ from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
 EPS_KEYS = {NormKind.RMS: "attention.layer_norm_rms_epsilon", NormKind.LAYER: "attention.layer_norm_epsilon"}
 
 
-def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None) -> Dims:
+def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None, latent: bool = False) -> Dims:
     """The dimensions the tensor table names; `mixers` (a hybrid's per-layer token mixers) makes head_count_kv
-    per layer and reads the convolution length."""
+    per layer and reads the convolution length; `latent` reads multi-head latent attention's sizes."""
     path, arch = facts.path, hp.arch
     n_embd = hp.int("embedding_length", minimum=1)
     n_head = hp.int("attention.head_count", minimum=1)
@@ -57,7 +58,7 @@ def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None) ->
         raise GGUFError(path, f"{arch}.attention.head_count_kv", f"{n_kv_head} does not divide head_count {n_head}")
     head_dim = hp.int("attention.key_length", default=n_embd // n_head, minimum=1)
     head_dim_v = hp.int("attention.value_length", default=n_embd // n_head, minimum=1)
-    if head_dim_v != head_dim:
+    if head_dim_v != head_dim and not latent:
         raise UnsupportedModelError(f"{path}: key_length {head_dim} != value_length {head_dim_v} is not supported")
     rope_dim = hp.int("rope.dimension_count", default=head_dim, minimum=2)
     if rope_dim > head_dim or rope_dim % 2:
@@ -78,7 +79,44 @@ def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None) ->
         conv_kernel=hp.int("shortconv.l_cache", minimum=2) if mixers and "conv" in mixers else 0,
         n_layer=hp.int("block_count", minimum=1),
         **(_ssm_dims(facts, hp) if mixers and {"ssm", "deltanet"} & set(mixers) else {}),
+        **(_latent_dims(facts, hp, n_kv_head, head_dim, head_dim_v, rope_dim) if latent else {}),
     )
+
+
+def _latent_dims(facts: GGUFFacts, hp: Hparams, n_kv_head: int, head_dim: int, head_dim_v: int, rope_dim: int) -> dict:
+    """Multi-head latent attention's sizes (llama_hparams n_lora_q, n_lora_kv, n_embd_head_k_mla,
+    n_embd_head_v_mla), checked against the cached row they imply: one KV head of key_length = kv_lora_rank +
+    the RoPE dims, value_length = kv_lora_rank (what llama.cpp's converter writes for the absorbed form)."""
+    path = facts.path
+    if not hp.has("attention.key_length_mla"):
+        raise UnsupportedModelError(
+            f"{path}: {hp.key('attention.key_length_mla')} is missing: a DeepSeek file from before llama.cpp split "
+            "attn_kv_b into attn_k_b and attn_v_b (the absorbed form); convert it again with a current converter"
+        )
+    dims = dict(
+        q_lora=hp.int("attention.q_lora_rank", default=0),
+        kv_lora=hp.int("attention.kv_lora_rank", minimum=1),
+        head_dim_mla=hp.int("attention.key_length_mla", minimum=1),
+        head_dim_v_mla=hp.int("attention.value_length_mla", minimum=1),
+    )
+    checks = (
+        ("attention.head_count_kv", n_kv_head == 1, f"{n_kv_head}: latent attention caches one KV head"),
+        (
+            "attention.key_length",
+            head_dim == dims["kv_lora"] + rope_dim,
+            f"{head_dim}, not kv_lora_rank {dims['kv_lora']} + rope.dimension_count {rope_dim}",
+        ),
+        ("attention.value_length", head_dim_v == dims["kv_lora"], f"{head_dim_v}, not kv_lora_rank {dims['kv_lora']}"),
+        (
+            "attention.key_length_mla",
+            dims["head_dim_mla"] > rope_dim,
+            f"{dims['head_dim_mla']}, not above rope.dimension_count {rope_dim}",
+        ),
+    )
+    for key, ok, problem in checks:
+        if not ok:
+            raise GGUFError(path, hp.key(key), problem)
+    return dims
 
 
 def _ffn_width(facts: GGUFFacts, hp: Hparams) -> int:
@@ -306,7 +344,28 @@ def experts(facts: GGUFFacts, hp: Hparams, family: Family, router_layer: int = 0
         normalize=moe.normalize_from(hp) if moe.normalize_from else moe.normalize,
         weight_scale=moe.weight_scale(hp),
         weight_inputs=moe.weight_inputs,
+        **_expert_groups(facts, hp, family, n_expert, n_used),
     )
+
+
+def _expert_groups(facts: GGUFFacts, hp: Hparams, family: Family, n_expert: int, n_used: int) -> dict:
+    """RouterSpec's n_group and n_group_used (expert_group_count, expert_group_used_count), checked to split the
+    experts evenly and to leave enough of them to choose from; {} without groups."""
+    n_group, n_group_used = family.moe.groups(hp)
+    if n_group <= 1:
+        return {}
+    key = hp.key("expert_group_count")
+    if n_expert % n_group:
+        raise GGUFError(facts.path, key, f"{n_group} groups do not split {n_expert} experts evenly")
+    if not 1 <= n_group_used <= n_group or n_group_used * (n_expert // n_group) < n_used:
+        raise GGUFError(
+            facts.path,
+            hp.key("expert_group_used_count"),
+            f"{n_group_used} of {n_group} groups leave too few of the {n_expert} experts for {n_used} per token",
+        )
+    if n_expert // n_group < 2:
+        raise GGUFError(facts.path, key, f"{n_group} groups of {n_expert} experts: a group score needs two experts")
+    return dict(n_group=n_group, n_group_used=n_group_used)
 
 
 def token_mixers(facts: GGUFFacts, family: Family, dims: Dims, kinds: set, present, block_norm) -> dict:
@@ -378,10 +437,36 @@ def _deltanet(facts: GGUFFacts, family: Family, dims: Dims, present, block_norm)
     return spec
 
 
+def _latent(facts: GGUFFacts, dims: Dims, present, block_norm) -> LatentAttentionSpec:
+    """Multi-head latent attention from the bound tensors: queries by attn_q, or by attn_q_a, its norm and
+    attn_q_b (llama.cpp: when attention.q_lora_rank > 0), never both."""
+    low_rank = dims.q_lora > 0
+    wanted = ("attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight") if low_rank else ("attn_q.weight",)
+    other = ("attn_q.weight",) if low_rank else ("attn_q_a.weight", "attn_q_b.weight")
+    if not all(present(t) for t in wanted) or any(present(t) for t in other):
+        raise UnsupportedModelError(
+            f"{facts.path}: attention.q_lora_rank is {dims.q_lora}, so each layer needs {', '.join(wanted)} and "
+            f"not {', '.join(other)}"
+        )
+    return LatentAttentionSpec(
+        kv_lora_rank=dims.kv_lora,
+        head_dim_nope=dims.head_dim_mla - dims.rope_dim,
+        head_dim_v=dims.head_dim_v_mla,
+        kv_a="attn_kv_a_mqa.weight",
+        kv_a_norm=block_norm("attn_kv_a_norm.weight"),
+        k_b="attn_k_b.weight",
+        v_b="attn_v_b.weight",
+        q=present("attn_q.weight") if not low_rank else None,
+        q_a="attn_q_a.weight" if low_rank else None,
+        q_a_norm=block_norm("attn_q_a_norm.weight") if low_rank else None,
+        q_b="attn_q_b.weight" if low_rank else None,
+    )
+
+
 def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     hp = Hparams(facts, family.name)
     mixers = family.layer_mixers(hp, hp.int("block_count", minimum=1)) if family.layer_mixers else None
-    dims = read_dims(facts, hp, mixers)
+    dims = read_dims(facts, hp, mixers, latent=family.latent_attention)
     n_blocks = hp.int("block_count", minimum=1)
     n_mtp = family.mtp_layers(hp) if family.mtp_layers else 0
     if not 0 <= n_mtp < n_blocks:
@@ -411,7 +496,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     window = hp.int("attention.sliding_window", default=family.default_window) if any(sliding) else 0
     sliding = [s and window > 0 for s in sliding]
     swa_rope = family.swa_rope(hp, rope_base, rope_fields["freq_scale"]) if family.swa_rope else None
-    score_scale = family.score_scale(hp, dims.head_dim)
+    score_scale = family.score_scale(hp, dims.head_dim_mla if family.latent_attention else dims.head_dim)
     temperature = family.attn_temperature(hp)
     rotated_qk_norm = family.rotated_qk_norm(hp)
 
@@ -527,17 +612,18 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         if sliding[il] and family.swa_plain_rope:
             fields.update(scaling=RopeScaling.NONE, freq_factors=None, attn_factor=1.0, ext_factor=0.0)
         rope = RopeSpec(style=family.rope if rotates else RopeStyle.NONE, dim=dims.rope_dim, **fields)
+        latent = _latent(facts, dims, present, block_norm) if family.latent_attention else None
         attention = AttentionSpec(
             n_head=dims.n_head,
             n_kv_head=dims.n_kv_head,
             head_dim=dims.head_dim,
-            head_dim_v=dims.head_dim,
+            head_dim_v=dims.kv_lora if latent else dims.head_dim,
             rope=rope,
             sliding_window=window if sliding[il] else 0,
             score_scale=score_scale,
             out="attn_output.weight",
             qkv=attention_qkv,
-            q=present("attn_q.weight"),
+            q=present("attn_q.weight") if latent is None else None,  # a latent attention's is its own
             k=present("attn_k.weight"),
             v=present("attn_v.weight"),
             qkv_bias=present("attn_qkv.bias"),
@@ -555,6 +641,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             rotated_qk_norm=rotated_qk_norm,
             chunk=chunk if chunked[il] else 0,
             output_gate=family.gated_attention,
+            latent=latent,
         )
         layers.append(
             LayerSpec(

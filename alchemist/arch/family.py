@@ -219,6 +219,8 @@ class ExpertRouting:
     expert_width: Callable[[Hparams, int], int] = expert_width_from_ff
     # (hp, expert width) -> the shared expert's FFN width, used when the file has ffn_*_shexp tensors
     shared_width: Callable[[Hparams, int], int] = lambda hp, n_ff_exp: n_ff_exp
+    # (hp) -> (n_group, n_group_used) of group-limited routing (DeepSeek-V3); (0, 0): none
+    groups: Callable[[Hparams], tuple[int, int]] = lambda hp: (0, 0)
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,9 @@ class Family:
     rotated_qk_norm: Callable[[Hparams], bool] = lambda hp: False
     # the q projection carries a sigmoid gate per head for the attention output (table: ATTN_Q_GATED)
     gated_attention: bool = False
+    # multi-head latent attention (table: ATTN_MLA): keys and values through a compressed latent; score_scale
+    # then gets the head size of q·k before absorption (key_length_mla)
+    latent_attention: bool = False
     # a delta-net's v head h reads k head h % n_k_head (ggml_repeat's tiling), else h // (n_v_head / n_k_head)
     delta_k_heads_tiled: bool = True
     # (hp) -> the chunk of chunked attention in the sliding layers (Llama 4's local layers); 0: they slide

@@ -76,6 +76,11 @@ class Dims:
     ssm_state: int = 0
     ssm_head: int = 0
     ssm_group: int = 0
+    # multi-head latent attention (llama_hparams n_lora_q, n_lora_kv, n_embd_head_k_mla, n_embd_head_v_mla)
+    q_lora: int = 0
+    kv_lora: int = 0
+    head_dim_mla: int = 0
+    head_dim_v_mla: int = 0
 
     def resolve(self, shape: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.size(name) for name in shape)
@@ -107,6 +112,11 @@ class Dims:
             "dn_qkvz": 2 * self.ssm_group * self.ssm_state + 2 * self.ssm_inner,
             "ssm_head2": 2 * self.ssm_head,
             "n_q_gated": 2 * self.n_head * self.head_dim,
+            # latent attention: [latent | k_pe] per position; queries [not rotated | rotated] per head
+            "kv_a": self.kv_lora + self.rope_dim,
+            "qk_nope": self.head_dim_mla - self.rope_dim,
+            "n_q_mla": self.n_head * self.head_dim_mla,
+            "n_v_mla": self.n_head * self.head_dim_v_mla,
         }
         if name in derived:
             return derived[name]
@@ -300,6 +310,23 @@ NEXTN = tuple(
         T(_blk("nextn.shared_head_norm.weight"), "norm", "n_embd").optional(),
     )
 )
+# multi-head latent attention (deepseek2): the compressed [latent | k_pe] row, the latent's norm, each head's
+# matrices into and out of the latent (3-D, one per head), the output; queries directly (attn_q, the "lite"
+# models) or through a low rank (attn_q_a, its norm, attn_q_b)
+ATTN_MLA = (
+    T(_blk("attn_kv_a_mqa.weight"), "linear", "kv_a", "n_embd"),
+    T(_blk("attn_kv_a_norm.weight"), "norm", "kv_lora"),
+    T(_blk("attn_k_b.weight"), "heads", "n_head", "kv_lora", "qk_nope"),
+    T(_blk("attn_v_b.weight"), "heads", "n_head", "head_dim_v_mla", "kv_lora"),
+    T(_blk("attn_output.weight"), "linear", "n_embd", "n_v_mla"),
+)
+ATTN_MLA_Q = optional(T(_blk("attn_q.weight"), "linear", "n_q_mla", "n_embd"))
+ATTN_MLA_Q_LORA = optional(
+    T(_blk("attn_q_a.weight"), "linear", "q_lora", "n_embd"),
+    T(_blk("attn_q_a_norm.weight"), "norm", "q_lora"),
+    T(_blk("attn_q_b.weight"), "linear", "n_q_mla", "q_lora"),
+)
+
 # attention sinks (gpt-oss): one logit per query head, F32
 ATTN_SINKS = (T(_blk("attn_sinks.weight"), "sinks", "n_head"),)
 # gemma3n (llama-model.cpp's gemma3n tensors): AltUp streams, per-layer inputs and LAuReL

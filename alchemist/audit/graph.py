@@ -483,8 +483,9 @@ class HeadLayouts:
 
     def reshape(self, x, out):
         lay, shape, new_shape = list(self.axes(x)), x.type.shape, out.type.shape
-        # a split of the last axis, not only new leading axes ((T, width) -> (B, T, width))
-        grown = tuple(new_shape[out.ndim - x.ndim :]) == tuple(shape)
+        # a split of the last axis, not only new leading axes ((T, width) -> (B, T, width)) or head axes
+        # regrouped beside an unchanged last one
+        grown = tuple(new_shape[out.ndim - x.ndim :]) == tuple(shape) or (new_shape[-1] == shape[-1] and any(lay[:-1]))
         if lay and lay[-1] is None and shape[-1] in self.widths and out.ndim > x.ndim and not grown:
             kind, n, n_kv, d = self.widths[shape[-1]]
             if None in new_shape or new_shape[: x.ndim - 1] != shape[:-1]:
@@ -605,6 +606,14 @@ class HeadLayouts:
                         f"a matmul {a.type.shape} @ {b.type.shape} pairs {_axis(x)} of one side with {_axis(y)}"
                     )
         if a in self.weighty or b in self.weighty:
+            if a.ndim >= 3 and b.ndim >= 3 and (a in self.weighty) != (b in self.weighty):
+                # one matrix per head (a batched matmul with a 3-D weight): the heads stay apart, and what each
+                # head's matrix gives is within that head
+                act = lb if a in self.weighty else la
+                out = node.outputs[0]
+                batch = self.merge(out, [act[:-2] + (None, None)])[:-2]
+                within = (("dim", out.type.shape[-1]),) if out.type.shape[-1] else None
+                return batch + ((None, within) if a in self.weighty else (la[-2], within))
             return None
         if node.outputs[0].ndim == 2 and a.ndim == 2 and b.ndim == 2:
             return (la[0], lb[1])
@@ -625,6 +634,14 @@ def check_heads(ctx: Context, g: "GraphAudit"):
             (a.n_head, a.n_kv_head, 2 * a.head_dim)
             for a in (lay.attention for lay in ctx.ir.attention_layers)
             if a.output_gate
+        }
+    )
+    # a latent attention's queries split into heads of [not rotated | rotated] before the latent's width
+    heads += sorted(
+        {
+            (a.n_head, a.n_head, a.latent.head_dim_nope + a.rope.dim)
+            for a in (lay.attention for lay in ctx.ir.attention_layers)
+            if a.latent is not None
         }
     )
     for b in g.builds:

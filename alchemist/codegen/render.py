@@ -153,8 +153,9 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("convolution, Mamba-2 or delta-net layers in a parallel block")
     if ssm is not None and (ssm.conv_kernel < 2 or ssm.n_head % ssm.n_group or ssm.n_inner % ssm.n_head):
         problems.append(f"a Mamba-2 mixer of {ssm.n_head} heads, {ssm.n_group} groups, convolution {ssm.conv_kernel}")
-    if att.head_dim_v != att.head_dim:
+    if att.head_dim_v != att.head_dim and att.latent is None:
         problems.append(f"value heads of {att.head_dim_v} != key heads of {att.head_dim}")
+    problems += _latent_problems(att)
     if att.rope.scaling not in RENDERABLE_ROPE_SCALING:
         problems.append(f"RoPE scaling {att.rope.scaling.value!r}")
     if (att.rope.freq_factors is not None) != (att.rope.scaling in (RopeScaling.LLAMA3, RopeScaling.LONGROPE)):
@@ -163,7 +164,9 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("short RoPE factors outside LongRoPE")
     if att.rope.ext_factor and att.rope.scaling is not RopeScaling.YARN:
         problems.append("a RoPE extrapolation factor outside YaRN")
-    if bool(att.qkv) == bool(att.q or att.k or att.v) or not (att.qkv or (att.q and att.k and att.v)):
+    if att.latent is None and (
+        bool(att.qkv) == bool(att.q or att.k or att.v) or not (att.qkv or (att.q and att.k and att.v))
+    ):
         problems.append("attention needs either a fused qkv projection or all of q, k and v")
     if att.qkv_bias and not att.qkv or (att.q_bias or att.k_bias or att.v_bias) and att.qkv:
         problems.append("attention biases that do not match its projections")
@@ -200,6 +203,29 @@ def check_renderable(ir: ModelIR) -> None:
     problems += _altup_problems(ir)
     if problems:
         raise UnsupportedModelError(f"{ir.source_file}: the templates cannot render " + "; ".join(problems))
+
+
+def _latent_problems(att) -> list[str]:
+    """What the latent attention template (deepseek2's component) cannot render."""
+    lat = att.latent
+    if lat is None:
+        return []
+    problems = []
+    if att.qkv or att.q or att.k or att.v or att.q_norm or att.kv_layer is not None or att.output_gate:
+        problems.append("latent attention beside q/k/v projections, q/k norms, KV sharing or an output gate")
+    if att.qkv_bias or att.q_bias or att.k_bias or att.v_bias or att.out_bias or att.sinks:
+        problems.append("latent attention with biases or sinks")
+    if att.logit_softcap or att.prescale_queries or att.temperature or att.rotated_qk_norm or att.chunk:
+        problems.append(
+            "latent attention with a softcap, prescaled queries, a temperature, q/k normed after RoPE or chunks"
+        )
+    if att.n_kv_head != 1 or att.head_dim != lat.kv_lora_rank + att.rope.dim or att.head_dim_v != lat.kv_lora_rank:
+        problems.append("latent attention whose cached row is not one head of [latent | RoPE part]")
+    if att.rope.style is RopeStyle.NONE or att.rope.freq_factors_short:
+        problems.append("latent attention without RoPE, or with LongRoPE")
+    if bool(lat.q) == bool(lat.q_a or lat.q_b) or bool(lat.q_a) != bool(lat.q_b) or bool(lat.q_a) != bool(lat.q_a_norm):
+        problems.append("latent attention needs attn_q, or attn_q_a with its norm and attn_q_b")
+    return problems
 
 
 RENDERABLE_ROPE_SCALING = tuple(RopeScaling)
@@ -326,6 +352,9 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
             rows.append(("N_FF_SHARED", moe.shared.n_ff, "the shared expert's MLP width"))
         if moe.router.weight_scale != 1.0:
             rows.append(("EXPERT_WEIGHT_SCALE", moe.router.weight_scale, "multiplies the routing weights"))
+        if moe.router.n_group:
+            rows.append(("N_EXPERT_GROUP", moe.router.n_group, "groups of experts, each N_EXPERT / N_EXPERT_GROUP"))
+            rows.append(("N_EXPERT_GROUP_USED", moe.router.n_group_used, "groups a token chooses its experts in"))
     if att.temperature:
         t = att.temperature
         rows.append(("ATTN_TEMPERATURE_SCALE", t.scale, "q · (log(floor((p + offset) / length) + 1) · scale + 1)"))
@@ -405,6 +434,18 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
             ("LAYER_CACHES", ir.layer_caches(), "per layer: its caches, (kind, shape of a position's row or a state)"),
             ("STATE_KINDS", ("conv_window", "delta"), "the caches that hold one state per sequence"),
         ]
+    if att.latent is not None:
+        lat = att.latent
+        rows += [
+            ("KV_LORA_RANK", lat.kv_lora_rank, "the latent each position's keys and values are compressed to"),
+            ("HEAD_DIM_NOPE", lat.head_dim_nope, "per query head: the part without RoPE, read through attn_k_b"),
+            ("HEAD_DIM_V", lat.head_dim_v, "per head: the value size after attn_v_b"),
+            (
+                "LAYER_CACHES",
+                ir.layer_caches(),
+                "per layer: its cache, one row of [latent | RoPE part] per position, keys and values in one",
+            ),
+        ]
     if ir.tap_names:
         rows.append(("TAP_NAMES", ir.tap_names, "(tap, llama.cpp's name for that tensor in this family's graph)"))
     if att.kv_layer is not None:
@@ -459,6 +500,11 @@ def template_context(ir: ModelIR) -> dict:
     if conv is not None:
         n_conv = sum(lay.conv is not None for lay in ir.layers)
         summary += f"\n{n_conv} of the layers mix tokens with a short convolution of length {conv.kernel}."
+    if att.latent is not None:
+        summary += (
+            f"\nLatent attention: keys and values of every head from one cached row of {att.head_dim} per position "
+            f"(a latent of {att.latent.kv_lora_rank} and {att.rope.dim} RoPE dims)."
+        )
     deltanet = _deltanet(ir)
     if deltanet is not None:
         n_delta = sum(lay.deltanet is not None for lay in ir.layers)
@@ -483,7 +529,9 @@ def template_context(ir: ModelIR) -> dict:
             f"{n_shared} layers attending to an earlier layer's KV cache."
         )
     return dict(
-        attention_template="attention" if att.kv_layer is None else "attention_shared_kv",
+        attention_template=(
+            "attention_latent" if att.latent else "attention" if att.kv_layer is None else "attention_shared_kv"
+        ),
         block_components=(["laurel"] if first.laurel else []) + (["altup"] if altup else []),
         forward_template="forward_altup" if altup else "forward",
         sparse_mlp=any(_sparsity(lay) for lay in ir.layers),
@@ -510,7 +558,12 @@ def template_context(ir: ModelIR) -> dict:
         ssm=ssm,
         deltanet=deltanet,
         recurrent=ssm is not None or deltanet is not None,
-        hybrid=conv is not None or ssm is not None or deltanet is not None or first.wiring is Wiring.SINGLE,
+        hybrid=conv is not None
+        or ssm is not None
+        or deltanet is not None
+        or first.wiring is Wiring.SINGLE
+        or att.latent is not None,
+        latent=att.latent,
         tap_names=bool(ir.tap_names),
         rope_factors=att.rope.freq_factors,
         rope_scaling=att.rope.scaling.value,
@@ -539,6 +592,8 @@ def _primitives(ir: ModelIR, style: RopeStyle, norm_kinds: list[str]) -> list[st
     defined |= {f"{kind}_norm" for kind in norm_kinds}
     if _ffn_kinds(ir)[1] is not None:
         defined.add("project_experts")
+    if ir.attention_layers[0].attention.latent is not None:
+        defined.add("project_heads")
     if style is not RopeStyle.NONE:
         defined |= {"rope_angles", "rope"}
     return [f.name for f in fields(Primitives) if f.name in defined]

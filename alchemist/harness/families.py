@@ -40,6 +40,9 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append(f"delta-net layers ({n_delta} of {ir.n_layer})")
     if any(lay.attention.output_gate for lay in ir.attention_layers):
         out.append("gated attention")
+    if att.latent is not None:
+        low_rank = ", low-rank queries" if att.latent.q_a else ""
+        out.append(f"latent attention (one cached row of {att.head_dim}{low_rank})")
     if ir.embedding.scale != 1.0:
         out.append("scaled embeddings")
     if ir.embedding.positions:
@@ -79,7 +82,7 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append(f"{style.value.upper()} RoPE")
         if RopeStyle.NONE in styles:
             out.append("RoPE on some layers")
-        if att.rope.dim < att.head_dim:
+        if att.rope.dim < att.head_dim and att.latent is None:
             out.append("partial rotary")
         if att.rope.scaling is not RopeScaling.NONE:
             out.append(f"{att.rope.scaling.value} RoPE scaling")
@@ -96,7 +99,8 @@ def quirks(ir: ModelIR) -> list[str]:
         where = f" after {n_dense} dense layer{'s' if n_dense > 1 else ''}" if n_dense and leading else ""
         if n_dense and not leading:
             where = f" in {ir.n_layer - n_dense} of {ir.n_layer} layers"
-        bias = (", selection bias" if r.selection_bias else "") + (", shared expert" if moe.shared else "")
+        groups = f", best {r.n_group_used} of {r.n_group} groups" if r.n_group else ""
+        bias = groups + (", selection bias" if r.selection_bias else "") + (", shared expert" if moe.shared else "")
         out.append(
             f"mixture of experts ({r.n_expert} experts, top-{r.n_expert_used}, {r.gating.value} router{bias}{act})"
             + where

@@ -59,15 +59,18 @@ def pearson(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def nmse(a, b) -> float:
     """Normalised mean squared error sum((a-b)^2) / sum(b^2), b the reference; same-size arrays are
-    compared element for element whatever their shapes (layouts differ: (T, H*D) vs (T, H, D))."""
+    compared element for element whatever their shapes (layouts differ: (T, H*D) vs (T, H, D)). Equal
+    elements add no error, the same infinities included (a mask's -inf), and an infinite reference adds nothing
+    to sum(b^2)."""
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     if a.size != b.size:
         raise ValueError(f"nmse: sizes differ, {a.shape} vs {b.shape}")
     a = a.reshape(-1)
     b = b.reshape(-1)
-    err = float(np.sum((a - b) ** 2))
-    ref = float(np.sum(b * b))
+    with np.errstate(invalid="ignore"):  # -inf - -inf: an equal element, dropped by the where
+        err = float(np.sum(np.where(a == b, 0.0, a - b) ** 2))
+    ref = float(np.sum(np.where(np.isfinite(b), b, 0.0) ** 2))
     if ref == 0.0:
         return 0.0 if err == 0.0 else float("inf")
     return err / ref

@@ -26,3 +26,4 @@ class Primitives:
     rope_angles: Callable | None = None  # (w, il, positions[, n_ctx]) -> (tokens, ROPE_DIM/2) angles
     rope: Callable | None = None  # (x, angles)
     causal_attention: Callable | None = None  # (q, keys, values, q_positions, key_positions, window[, sinks])
+    project_heads: Callable | None = None  # (x, w, name): each head's row x[t, h] @ W[h].T (latent attention)

@@ -124,9 +124,15 @@ def primitives(module: ModuleType, numerics: str = DEFAULT) -> Primitives:
             return y if bias is None else y + bias[experts]
         return exact.project_experts(round_activations(x, tensors[name][0]), w, name, experts, bias)
 
+    def project_heads(x, w, name):
+        # per-head matrices are held as float32 (dequantized on load): the product of the rounded activations
+        return exact.project_heads(round_activations(x, tensors[name][0]), w, name)
+
     ggml = dict(project=project, rms_norm=ggml_rms_norm(np.float32(module.NORM_EPS)))
     if exact.project_experts is not None:
         ggml["project_experts"] = project_experts
+    if exact.project_heads is not None:
+        ggml["project_heads"] = project_heads
     if exact.gelu is not None:
         ggml["gelu"] = gelu_table  # ggml's fp16 table: a C op on C, the same values as PyTensor ops elsewhere
     if exact.silu is not None:

@@ -1,0 +1,134 @@
+"""DeepSeek-V2 / V3 / R1 and their lineage (Kimi K2, GigaChat3, ...): llama.cpp src/models/deepseek2.cpp
+(LLM_ARCH_DEEPSEEK2), in the absorbed multi-head latent attention form that current GGUF files carry.
+
+Llama's pre-norm block with multi-head latent attention (LatentAttentionSpec): queries through a low rank
+(attn_q_a, its RMS norm, attn_q_b; attn_q directly when attention.q_lora_rank is 0, the "lite" models), split
+per head into a part without RoPE and a NORM-rotated part; keys and values compressed per position into one
+cached row [latent (kv_lora_rank, RMS-normed) | k_pe (rotated)]; each head's scores through its attn_k_b, its
+output through its attn_v_b. The scores are scaled by 1/sqrt(key_length_mla), the head size before absorption.
+The first leading_dense_block_count layers have a dense SiLU MLP, the others a mixture of experts: softmax (V2)
+or sigmoid (V3, expert_gating_func) scores, chosen with the selection bias exp_probs_b where the file has one,
+within the expert_group_used_count best of expert_group_count groups (a group's score: its two best), weighted
+by the unbiased scores, renormalized when expert_weights_norm and scaled by expert_weights_scale, plus a shared
+expert of expert_shared_count times the expert width. Multi-token-prediction layers (nextn) are loaded and
+never applied. Files from before the absorbed form (attn_kv_b, no key_length_mla) are refused.
+"""
+
+import numpy as np
+
+from alchemist.arch.family import ExpertRouting, Family, FixtureSpec, gating_from_file, leading_dense_ffns
+from alchemist.arch.table import (
+    ATTN_MLA,
+    ATTN_MLA_Q,
+    ATTN_MLA_Q_LORA,
+    ATTN_NORM,
+    FFN_EXP_PROBS_B,
+    FFN_GATED,
+    FFN_MOE,
+    FFN_NORM,
+    FFN_SHEXP,
+    NEXTN,
+    OUTPUT,
+    OUTPUT_NORM,
+    TOKEN_EMBD,
+    only_in_ffn,
+    optional,
+)
+from alchemist.ir import Activation, Gating, RopeStyle
+
+
+def _score_scale(hp, head_dim_mla: int) -> float:
+    """deepseek2.cpp's kq_scale without RoPE scaling, as it computes it in float32: 1 / sqrtf(key_length_mla)."""
+    return float(np.float32(1.0) / np.sqrt(np.float32(head_dim_mla)))
+
+
+FAMILY = Family(
+    name="deepseek2",
+    tensors=TOKEN_EMBD
+    + OUTPUT_NORM
+    + OUTPUT
+    + ATTN_NORM
+    + ATTN_MLA_Q
+    + ATTN_MLA_Q_LORA
+    + ATTN_MLA
+    + FFN_NORM
+    + only_in_ffn("dense", *FFN_GATED)
+    + only_in_ffn("moe", *FFN_MOE, *optional(*FFN_EXP_PROBS_B), *FFN_SHEXP)
+    + NEXTN,
+    rope=RopeStyle.NORM,
+    activation=Activation.SILU,
+    latent_attention=True,
+    score_scale=_score_scale,
+    # YaRN changes deepseek2.cpp's kq_scale and RoPE magnitude its own way (not rendered yet): refused
+    rope_scalings=("none", "linear"),
+    layer_ffns=leading_dense_ffns,
+    mtp_layers=lambda hp: hp.int("nextn_predict_layers", default=0),
+    moe=ExpertRouting(
+        gating_from=gating_from_file(default=Gating.SOFTMAX),  # absent or NONE: DeepSeek-V2's softmax
+        normalize_from=lambda hp: hp.bool("expert_weights_norm", default=False),
+        weight_scale=lambda hp: hp.float("expert_weights_scale", default=0.0) or 1.0,
+        expert_width=lambda hp, n_used: hp.int("expert_feed_forward_length", minimum=1),
+        shared_width=lambda hp, n_ff_exp: n_ff_exp * hp.int("expert_shared_count", minimum=1),
+        groups=lambda hp: (hp.int("expert_group_count", default=0), hp.int("expert_group_used_count", default=0)),
+    ),
+    # DeepSeek-V3's shape scaled down: layer 0 dense, layers 1-2 experts (8 in 4 groups, 2 of them used, 2
+    # experts per token, sigmoid scores with a selection bias) and a shared expert; queries through a low rank;
+    # one KV head of [latent 256 | RoPE 32], query heads of 64 + 32, values of 64
+    fixture=FixtureSpec(
+        n_layer=3,
+        rope_dim=32,
+        optional=(
+            "output.weight",
+            "blk.{il}.attn_q_a.weight",
+            "blk.{il}.attn_q_a_norm.weight",
+            "blk.{il}.attn_q_b.weight",
+            "blk.{il}.exp_probs_b.bias",
+        ),
+        metadata=(
+            ("attention.head_count_kv", 1),
+            ("attention.key_length", 256 + 32),
+            ("attention.value_length", 256),
+            ("attention.key_length_mla", 64 + 32),
+            ("attention.value_length_mla", 64),
+            ("attention.q_lora_rank", 256),
+            ("attention.kv_lora_rank", 256),
+            ("leading_dense_block_count", 1),
+            ("expert_count", 8),
+            ("expert_used_count", 2),
+            ("expert_group_count", 4),
+            ("expert_group_used_count", 2),
+            ("expert_feed_forward_length", 128),
+            ("expert_shared_count", 1),
+            ("expert_weights_norm", True),
+            ("expert_weights_scale", 2.5),
+            ("expert_gating_func", 2),
+        ),
+        scales=(("blk.{il}.ffn_gate_inp.weight", 0.5), ("blk.{il}.exp_probs_b.bias", 1.0)),
+        # DeepSeek-V2-Lite's shape: queries by attn_q, softmax scores without groups or selection bias
+        variants=(
+            (
+                "lite",
+                FixtureSpec(
+                    n_layer=3,
+                    rope_dim=32,
+                    optional=("output.weight", "blk.{il}.attn_q.weight"),
+                    metadata=(
+                        ("attention.head_count_kv", 1),
+                        ("attention.key_length", 256 + 32),
+                        ("attention.value_length", 256),
+                        ("attention.key_length_mla", 64 + 32),
+                        ("attention.value_length_mla", 64),
+                        ("attention.q_lora_rank", 0),
+                        ("attention.kv_lora_rank", 256),
+                        ("leading_dense_block_count", 1),
+                        ("expert_count", 4),
+                        ("expert_used_count", 2),
+                        ("expert_feed_forward_length", 128),
+                        ("expert_shared_count", 2),
+                        ("expert_weights_scale", 1.0),
+                    ),
+                ),
+            ),
+        ),
+    ),
+)
