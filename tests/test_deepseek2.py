@@ -146,10 +146,23 @@ def test_inconsistent_latent_sizes_and_groups_are_refused_by_name(tmp_path, meta
         build_model_ir(_facts(tmp_path, metadata))
 
 
-def test_yarn_is_refused_until_its_scale_is_rendered(tmp_path):
+def test_yarn_scales_the_scores_and_keeps_the_rotation_magnitude(tmp_path):
+    """DeepSeek's YaRN: q·k scaled by (1 + 0.1 · mscale_all_dim · ln factor)² / sqrt(key_length_mla), RoPE's
+    cos/sin at magnitude 1 (deepseek2.cpp hands ggml_rope_ext the inverse of ggml's own factor); the fixture's
+    validation against llama.cpp is in tests/test_validation.py."""
+    from alchemist.arch import build_model_ir
+    from alchemist.fixtures import write_fixture
+    from alchemist.gguf_io import read_gguf
+
+    att = build_model_ir(read_gguf(write_fixture(tmp_path / "m.gguf", "deepseek2:yarn"))).layers[0].attention
+    assert att.score_scale == pytest.approx((1 + 0.1 * np.log(40)) ** 2 / np.sqrt(96), rel=1e-6)
+    assert att.rope.attn_factor == pytest.approx(1.0, abs=1e-6) and att.rope.scaling.value == "yarn"
+
+
+def test_linear_rope_scaling_is_refused_by_name(tmp_path):
     from alchemist.arch import build_model_ir
     from alchemist.errors import UnsupportedModelError
 
-    facts = _facts(tmp_path, (("rope.scaling.type", "yarn"), ("rope.scaling.factor", 4.0)))
-    with pytest.raises(UnsupportedModelError, match="deepseek2.rope.scaling.type 'yarn' is not supported"):
+    facts = _facts(tmp_path, (("rope.scaling.type", "linear"), ("rope.scaling.factor", 4.0)))
+    with pytest.raises(UnsupportedModelError, match="deepseek2 with linear RoPE scaling"):
         build_model_ir(facts)

@@ -16,7 +16,8 @@ never applied. Files from before the absorbed form (attn_kv_b, no key_length_mla
 
 import numpy as np
 
-from alchemist.arch.family import ExpertRouting, Family, FixtureSpec, gating_from_file, leading_dense_ffns
+
+from alchemist.arch.family import ExpertRouting, Family, FixtureSpec, gating_from_file, leading_dense_ffns, logf
 from alchemist.arch.table import (
     ATTN_MLA,
     ATTN_MLA_Q,
@@ -34,12 +35,40 @@ from alchemist.arch.table import (
     only_in_ffn,
     optional,
 )
+from alchemist.errors import UnsupportedModelError
 from alchemist.ir import Activation, Gating, RopeStyle
 
 
+def _yarn_freq_scale(hp) -> float:
+    """1 / rope.scaling.factor under YaRN, else 1; a linear factor (which would change deepseek2.cpp's kq_scale
+    through llama_context's attn_factor, in no file we know of) is refused."""
+    factor = hp.float("rope.scaling.factor", default=0.0)
+    kind = hp.str("rope.scaling.type", default="linear")
+    if kind == "linear" and factor not in (0.0, 1.0):
+        raise UnsupportedModelError(f"{hp.facts.path}: deepseek2 with linear RoPE scaling ({factor}) is not supported")
+    return 1.0 / factor if kind == "yarn" and factor else 1.0
+
+
+def _graph_attn_factor(hp, freq_scale: float) -> float:
+    """The attn_factor deepseek2.cpp's graph receives under YaRN: llama_context's, adjusted to cancel ggml's
+    magnitude 1 + 0.1 ln(1/freq_scale), so that RoPE keeps the magnitude 1 DeepSeek's reference gives it."""
+    f = np.float32
+    return float(f(1) / f(f(f(0.1) * f(logf(float(f(1) / f(freq_scale))))) + f(1)))
+
+
 def _score_scale(hp, head_dim_mla: int) -> float:
-    """deepseek2.cpp's kq_scale without RoPE scaling, as it computes it in float32: 1 / sqrtf(key_length_mla)."""
-    return float(np.float32(1.0) / np.sqrt(np.float32(head_dim_mla)))
+    """deepseek2.cpp's kq_scale in float32: mscale² / sqrtf(key_length_mla), mscale = attn_factor_org · (1 + 0.1 ·
+    yarn_log_mul · ln(1/freq_scale)), attn_factor_org = the graph's attn_factor · (1 + 0.1 ln(1/freq_scale));
+    yarn_log_mul is the file's rope.scaling.yarn_log_multiplier / 0.1 (the loader cancels the converter's 0.1)."""
+    f = np.float32
+    freq_scale = _yarn_freq_scale(hp)
+    if freq_scale == 1.0:
+        return float(f(1.0) / np.sqrt(f(head_dim_mla)))
+    ln = f(logf(float(f(1) / f(freq_scale))))
+    log_mul = f(f(hp.float("rope.scaling.yarn_log_multiplier", default=0.0)) / f(0.1))
+    org = f(f(_graph_attn_factor(hp, freq_scale)) * f(f(1) + f(f(0.1) * ln)))
+    mscale = f(org * f(f(1) + f(f(f(0.1) * log_mul) * ln)))
+    return float(f(f(mscale * mscale) / np.sqrt(f(head_dim_mla))))
 
 
 FAMILY = Family(
@@ -59,8 +88,9 @@ FAMILY = Family(
     activation=Activation.SILU,
     latent_attention=True,
     score_scale=_score_scale,
-    # YaRN changes deepseek2.cpp's kq_scale and RoPE magnitude its own way (not rendered yet): refused
-    rope_scalings=("none", "linear"),
+    # YaRN: deepseek2.cpp scales q·k by mscale² and keeps RoPE's magnitude at 1 (its graph's attn_factor)
+    rope_scalings=("none", "linear", "yarn"),
+    yarn_attn_factor=_graph_attn_factor,
     layer_ffns=leading_dense_ffns,
     mtp_layers=lambda hp: hp.int("nextn_predict_layers", default=0),
     moe=ExpertRouting(
@@ -104,7 +134,8 @@ FAMILY = Family(
             ("expert_gating_func", 2),
         ),
         scales=(("blk.{il}.ffn_gate_inp.weight", 0.5), ("blk.{il}.exp_probs_b.bias", 1.0)),
-        # DeepSeek-V2-Lite's shape: queries by attn_q, softmax scores without groups or selection bias
+        # DeepSeek-V2-Lite's shape: queries by attn_q, softmax scores without groups or selection bias; and
+        # DeepSeek-V3's YaRN (factor 40 over 4096 positions there) with the log multiplier its files carry
         variants=(
             (
                 "lite",
@@ -126,6 +157,33 @@ FAMILY = Family(
                         ("expert_feed_forward_length", 128),
                         ("expert_shared_count", 2),
                         ("expert_weights_scale", 1.0),
+                    ),
+                ),
+            ),
+            (
+                "yarn",
+                FixtureSpec(
+                    n_layer=3,
+                    rope_dim=32,
+                    optional=("output.weight", "blk.{il}.attn_q.weight"),
+                    metadata=(
+                        ("attention.head_count_kv", 1),
+                        ("attention.key_length", 256 + 32),
+                        ("attention.value_length", 256),
+                        ("attention.key_length_mla", 64 + 32),
+                        ("attention.value_length_mla", 64),
+                        ("attention.q_lora_rank", 0),
+                        ("attention.kv_lora_rank", 256),
+                        ("leading_dense_block_count", 1),
+                        ("expert_count", 4),
+                        ("expert_used_count", 2),
+                        ("expert_feed_forward_length", 128),
+                        ("expert_shared_count", 1),
+                        ("expert_weights_scale", 1.0),
+                        ("rope.scaling.type", "yarn"),
+                        ("rope.scaling.factor", 40.0),
+                        ("rope.scaling.original_context_length", 16),
+                        ("rope.scaling.yarn_log_multiplier", 0.1),
                     ),
                 ),
             ),
