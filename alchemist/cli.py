@@ -54,21 +54,10 @@ def _kernel_line(ir) -> list[str]:
 def describe_components(ir) -> list[str]:
     """One line per component kind of the IR (what `alchemist inspect` prints)."""
     lay = ir.layers[0]
-    att = ir.attention_layers[0].attention
-    rope = att.rope
 
     def norm(spec) -> str:
         return "none" if spec is None else f"{spec.kind.value}{'+bias' if spec.bias else ''}"
 
-    extras = [
-        "fused qkv" if att.qkv else "",
-        "qkv bias" if (att.q_bias or att.qkv_bias) else "",
-        "out bias" if att.out_bias else "",
-        f"q/k {norm(att.q_norm)} norm per {att.qk_norm_scope.value}" if att.q_norm else "",
-        f"softcap {att.logit_softcap:g}" if att.logit_softcap else "",
-    ]
-    rotating = [x.attention.rope.style.value != "none" for x in ir.attention_layers]
-    windows = sorted({x.attention.sliding_window for x in ir.attention_layers})
     convs = [x.index for x in ir.layers if x.conv is not None]
     return [
         *(
@@ -81,9 +70,35 @@ def describe_components(ir) -> list[str]:
         f"layers        {ir.n_layer}   d_model {ir.n_embd}   {lay.wiring.value} block, norms: attn {norm(lay.attn_norm)}, "
         f"ffn {norm(lay.ffn_norm)}, post {norm(lay.attn_post_norm)}/{norm(lay.ffn_post_norm)}"
         + (f", residual x{lay.residual_scale:g}" if lay.residual_scale != 1.0 else ""),
+        *_attention_lines(ir, norm)[:1],
+        *_mlp_lines(ir),
+        *_attention_lines(ir, norm)[1:],
+        f"embedding     scale {ir.embedding.scale:g}" + (", learned positions" if ir.embedding.positions else ""),
+        f"vocabulary    {ir.n_vocab}   context {ir.n_ctx_train}   output "
+        f"{'tied to token_embd' if ir.output.tied else ir.output.weight}"
+        + (f", logit scale {ir.output.logit_scale:g}" if ir.output.logit_scale != 1.0 else "")
+        + (f", softcap {ir.output.final_softcap:g}" if ir.output.final_softcap else ""),
+    ]
+
+
+def _attention_lines(ir, norm) -> list[str]:
+    """Attention (heads, scale, extras), then RoPE and windows; one line where no layer attends."""
+    if not ir.attention_layers:
+        return ["attention     none: every layer mixes tokens otherwise"]
+    att = ir.attention_layers[0].attention
+    rope = att.rope
+    extras = [
+        "fused qkv" if att.qkv else "",
+        "qkv bias" if (att.q_bias or att.qkv_bias) else "",
+        "out bias" if att.out_bias else "",
+        f"q/k {norm(att.q_norm)} norm per {att.qk_norm_scope.value}" if att.q_norm else "",
+        f"softcap {att.logit_softcap:g}" if att.logit_softcap else "",
+    ]
+    rotating = [x.attention.rope.style.value != "none" for x in ir.attention_layers]
+    windows = sorted({x.attention.sliding_window for x in ir.attention_layers})
+    return [
         f"attention     {att.n_head} query heads, {att.n_kv_head} KV heads, head size {att.head_dim}, "
         f"scale {att.score_scale:.6g}" + "".join(f", {e}" for e in extras if e),
-        *_mlp_lines(ir),
         f"rope          {rope.style.value if all(rotating) or not any(rotating) else f'{sum(rotating)} of {ir.n_layer} layers'}, "
         f"dims {rope.dim}, scaling {rope.scaling.value}, bases {sorted({x.attention.rope.base for x in ir.attention_layers})}",
         f"windows       {windows} (0 = global)"
@@ -91,11 +106,6 @@ def describe_components(ir) -> list[str]:
         + (", temperature-tuned queries" if att.temperature else "")
         + (", q/k rms-normed after RoPE" if att.rotated_qk_norm else "")
         + (", output gated per head" if att.output_gate else ""),
-        f"embedding     scale {ir.embedding.scale:g}" + (", learned positions" if ir.embedding.positions else ""),
-        f"vocabulary    {ir.n_vocab}   context {ir.n_ctx_train}   output "
-        f"{'tied to token_embd' if ir.output.tied else ir.output.weight}"
-        + (f", logit scale {ir.output.logit_scale:g}" if ir.output.logit_scale != 1.0 else "")
-        + (f", softcap {ir.output.final_softcap:g}" if ir.output.final_softcap else ""),
     ]
 
 
@@ -124,8 +134,8 @@ def _recurrent_lines(ir) -> list[str]:
 
 def _latent_lines(ir) -> list[str]:
     """Multi-head latent attention: how queries, keys and values reach the one cached row, and its size."""
-    att = ir.attention_layers[0].attention
-    lat = att.latent
+    att = ir.attention_layers[0].attention if ir.attention_layers else None
+    lat = att.latent if att is not None else None
     if lat is None:
         return []
     queries = "attn_q" if lat.q else f"low rank {ir.tensor('blk.0.' + lat.q_a).shape[0]} (attn_q_a, norm, attn_q_b)"

@@ -161,7 +161,8 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
     w.add_block_count(n_layer)
     if "feed_forward_length" not in extra:  # else per layer (a family whose other layers have no MLP)
         w.add_feed_forward_length(cfg.n_ff)
-    w.add_head_count(cfg.n_head)
+    if "attention.head_count" not in extra:  # else 0 (a model without attention), with the extras
+        w.add_head_count(cfg.n_head)
     if "attention.head_count_kv" not in extra:  # else per layer (a hybrid's), written with the extras
         w.add_head_count_kv(cfg.n_kv_head)
     if "attention.key_length" not in extra:  # else a latent attention's row (deepseek2), with the extras

@@ -178,7 +178,10 @@ def swap_reshape(text: str, pair: tuple[int, int]) -> str:
 
 
 def mutate_head_split_transposed(text: str, ir) -> str:
-    """The split into (..., n_head, head_dim) made dim-major."""
+    """The split into (..., n_head, head_dim) made dim-major (without attention: Mamba-2's heads)."""
+    if not ir.attention_layers:
+        ssm = ir.layers[0].ssm
+        return swap_reshape(text, (ssm.n_head, ssm.head_dim))
     att = ir.attention_layers[0].attention
     return swap_reshape(text, (att.n_head, att.head_dim))
 

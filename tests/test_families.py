@@ -40,7 +40,7 @@ def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
         "llama", "qwen2", "qwen3", "gemma3", "gemma", "gemma2", "phi3", "granite", "olmo2", "smollm3",
         "starcoder2", "gpt2", "stablelm", "internlm2", "exaone", "exaone4", "command-r", "cohere2", "lfm2",
         "qwen3moe", "gpt-oss", "gemma3n", "mistral3", "lfm2moe", "glm4moe", "llama4", "granitehybrid",
-        "qwen35", "qwen35moe", "qwen3next", "nemotron_h", "deepseek2",
+        "qwen35", "qwen35moe", "qwen3next", "nemotron_h", "deepseek2", "mamba2",
     }  # fmt: skip
     assert set(FAMILIES) == set(FAMILY_VALUES) == wanted
     for case in FIXTURES:
@@ -52,7 +52,8 @@ def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
 
 @pytest.mark.parametrize("kind", ["linear", "llama3", "yarn", "longrope"])
 def test_each_rope_scaling_kind_has_a_fixture(fixture_irs, kind):
-    assert any(ir.attention_layers[0].attention.rope.scaling.value == kind for ir in fixture_irs.values())
+    scalings = {lay.attention.rope.scaling.value for ir in fixture_irs.values() for lay in ir.attention_layers}
+    assert kind in scalings
 
 
 def test_fixture_modules_render_and_differ_by_component(fixture_irs):
@@ -87,17 +88,23 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     # dense layers beside expert layers: both MLPs, chosen per layer
     assert "def moe(" in sources["lfm2moe"] and "if MOE_LAYERS[il] else mlp(" in sources["lfm2moe"]
     assert {c for c, src in sources.items() if "MOE_LAYERS" in src} == {
-        "lfm2moe", "glm4moe", "llama4", "deepseek2", "deepseek2:lite"
+        "lfm2moe", "glm4moe", "llama4", "deepseek2", "deepseek2:lite", "deepseek2:yarn"
     }  # fmt: skip
     # latent attention: its own attention and per-head products; group-limited routing
-    assert {c for c, src in sources.items() if "def project_heads(" in src} == {"deepseek2", "deepseek2:lite"}
+    assert {c for c, src in sources.items() if "def project_heads(" in src} == {
+        "deepseek2", "deepseek2:lite", "deepseek2:yarn"
+    }  # fmt: skip
     assert "attn_q_a.weight" in sources["deepseek2"] and "attn_q_a.weight" not in sources["deepseek2:lite"]
     assert {c for c, src in sources.items() if "def limit_groups(" in src} == {"deepseek2"}
     assert {c for c, src in sources.items() if "ATTENTION_CHUNK" in src} == {"llama4"}
     # recurrent states: only the Mamba-2 hybrid's forward() takes n_valid
     assert {c for c, src in sources.items() if "STATE_KINDS" in src} == {
-        "granitehybrid", "granitehybrid:moe", "qwen35", "qwen35moe", "qwen3next", "qwen3next:fused", "nemotron_h"
+        "granitehybrid", "granitehybrid:moe", "qwen35", "qwen35moe", "qwen3next", "qwen3next:fused", "nemotron_h",
+        "mamba2",
     }  # fmt: skip
+    # without attention: no attention, cache step or RoPE in the module, and no MLP
+    assert {c for c, src in sources.items() if "def causal_attention(" not in src} == {"mamba2"}
+    assert "def cache_step(" not in sources["mamba2"] and "def mlp(" not in sources["mamba2"]
     assert (
         "FFN_LAYERS = (False, False, True, False)" in sources["nemotron_h"] and "def relu_sqr(" in sources["nemotron_h"]
     )
@@ -123,6 +130,7 @@ def test_quirks_name_what_differs_from_llama(fixture_irs):
     assert "partial rotary" not in deepseek
     assert any("best 2 of 4 groups, selection bias, shared expert" in q for q in deepseek)
     assert quirks(fixture_irs["deepseek2:lite"])[0] == "latent attention (one cached row of 288)"
+    assert quirks(fixture_irs["mamba2"]) == ["Mamba-2 layers (3 of 3)", "no attention", "no MLP", "untied output"]
 
 
 def test_readme_table_is_generated_from_current_results(fixture_irs):

@@ -1,5 +1,5 @@
 """Recurrent layers (granitehybrid's Mamba-2, qwen35's gated delta-net, nemotron_h's Mamba-2 blocks beside MLP-only
-blocks) under the cache contract: their states
+blocks, mamba2's Mamba-2 alone without attention) under the cache contract: their states
 against llama.cpp through whole prompts, split prefills, decode steps and restarts; per slot in the serving
 engine with checkpoints at chunk boundaries for prefix reuse; and `alchemist chat` reusing a checkpoint."""
 
@@ -16,6 +16,7 @@ FAMILIES = {
     "granitehybrid": (("conv_window_cache.0", "ssm_cache.0"), (8, 64, 16)),
     "qwen35": (("conv_window_cache.0", "delta_cache.0"), (4, 64, 64)),
     "nemotron_h": (("conv_window_cache.0", "ssm_cache.0"), (8, 64, 16)),  # and an MLP-only block without caches
+    "mamba2": (("conv_window_cache.0", "ssm_cache.0"), (4, 64, 16)),  # no attention, no MLP
 }
 
 

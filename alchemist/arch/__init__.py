@@ -21,6 +21,7 @@ from alchemist.arch import (
     internlm2,
     lfm2,
     lfm2moe,
+    mamba2,
     nemotron_h,
     llama,
     llama4,
@@ -76,6 +77,7 @@ FAMILY_MODULES = (
     glm4moe,
     llama4,
     deepseek2,
+    mamba2,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

@@ -43,11 +43,28 @@ from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
 EPS_KEYS = {NormKind.RMS: "attention.layer_norm_rms_epsilon", NormKind.LAYER: "attention.layer_norm_epsilon"}
 
 
-def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None, latent: bool = False) -> Dims:
+def read_dims(
+    facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None, latent: bool = False, ffn: bool = True
+) -> Dims:
     """The dimensions the tensor table names; `mixers` (a hybrid's per-layer token mixers) makes head_count_kv
-    per layer and reads the convolution length; `latent` reads multi-head latent attention's sizes."""
+    per layer and reads the convolution length; `latent` reads multi-head latent attention's sizes; without
+    attention layers (a pure Mamba-2) the attention sizes, and without any MLP (ffn False) its width, are 0."""
     path, arch = facts.path, hp.arch
     n_embd = hp.int("embedding_length", minimum=1)
+    if mixers is not None and "attention" not in mixers:
+        return Dims(
+            n_vocab=_n_vocab(facts),
+            n_embd=n_embd,
+            n_head=0,
+            n_kv_head=0,
+            head_dim=0,
+            n_ff=_ffn_width(facts, hp) if ffn else 0,
+            rope_dim=0,
+            n_ctx=hp.int("context_length", minimum=1),
+            conv_kernel=hp.int("shortconv.l_cache", minimum=2) if "conv" in mixers else 0,
+            n_layer=hp.int("block_count", minimum=1),
+            **(_ssm_dims(facts, hp) if {"ssm", "deltanet"} & set(mixers) else {}),
+        )
     n_head = hp.int("attention.head_count", minimum=1)
     if n_head > n_embd:
         raise GGUFError(path, f"{arch}.attention.head_count", f"{n_head} heads for an embedding of only {n_embd}")
@@ -65,15 +82,13 @@ def read_dims(facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None, la
         raise GGUFError(
             path, f"{arch}.rope.dimension_count", f"{rope_dim} must be even and at most the head size {head_dim}"
         )
-    if "token_embd.weight" not in facts.tensors:
-        raise UnsupportedModelError(f"{path}: missing tensor 'token_embd.weight'")
     return Dims(
-        n_vocab=facts.tensors["token_embd.weight"].shape[0],
+        n_vocab=_n_vocab(facts),
         n_embd=n_embd,
         n_head=n_head,
         n_kv_head=n_kv_head,
         head_dim=head_dim,
-        n_ff=_ffn_width(facts, hp),
+        n_ff=_ffn_width(facts, hp) if ffn else 0,
         rope_dim=rope_dim,
         n_ctx=hp.int("context_length", minimum=1),
         conv_kernel=hp.int("shortconv.l_cache", minimum=2) if mixers and "conv" in mixers else 0,
@@ -117,6 +132,12 @@ def _latent_dims(facts: GGUFFacts, hp: Hparams, n_kv_head: int, head_dim: int, h
         if not ok:
             raise GGUFError(path, hp.key(key), problem)
     return dims
+
+
+def _n_vocab(facts: GGUFFacts) -> int:
+    if "token_embd.weight" not in facts.tensors:
+        raise UnsupportedModelError(f"{facts.path}: missing tensor 'token_embd.weight'")
+    return facts.tensors["token_embd.weight"].shape[0]
 
 
 def _ffn_width(facts: GGUFFacts, hp: Hparams) -> int:
@@ -466,8 +487,10 @@ def _latent(facts: GGUFFacts, dims: Dims, present, block_norm) -> LatentAttentio
 def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     hp = Hparams(facts, family.name)
     mixers = family.layer_mixers(hp, hp.int("block_count", minimum=1)) if family.layer_mixers else None
-    dims = read_dims(facts, hp, mixers, latent=family.latent_attention)
     n_blocks = hp.int("block_count", minimum=1)
+    ffns = family.layer_ffns(hp, n_blocks) if family.layer_ffns else None
+    has_ffn = ffns is None or any(kind != "none" for kind in ffns)
+    dims = read_dims(facts, hp, mixers, latent=family.latent_attention, ffn=has_ffn)
     n_mtp = family.mtp_layers(hp) if family.mtp_layers else 0
     if not 0 <= n_mtp < n_blocks:
         raise GGUFError(
@@ -475,7 +498,6 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         )
     n_layer = n_blocks - n_mtp  # the layers the model applies
     norm_eps = hp.float(EPS_KEYS[family.norm], positive=True)
-    ffns = family.layer_ffns(hp, n_blocks) if family.layer_ffns else None
     router = experts(facts, hp, family, ffns.index("moe") if ffns and "moe" in ffns else 0)
     if router:
         n_ff_exp = family.moe.expert_width(hp, router.n_expert_used)
@@ -496,7 +518,10 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     window = hp.int("attention.sliding_window", default=family.default_window) if any(sliding) else 0
     sliding = [s and window > 0 for s in sliding]
     swa_rope = family.swa_rope(hp, rope_base, rope_fields["freq_scale"]) if family.swa_rope else None
-    score_scale = family.score_scale(hp, dims.head_dim_mla if family.latent_attention else dims.head_dim)
+    attends = mixers is None or "attention" in mixers
+    score_scale = (
+        family.score_scale(hp, dims.head_dim_mla if family.latent_attention else dims.head_dim) if attends else 0.0
+    )
     temperature = family.attn_temperature(hp)
     rotated_qk_norm = family.rotated_qk_norm(hp)
 

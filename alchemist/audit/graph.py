@@ -628,6 +628,9 @@ def check_heads(ctx: Context, g: "GraphAudit"):
     heads = sorted(
         {(lay.attention.n_head, lay.attention.n_kv_head, lay.attention.head_dim) for lay in ctx.ir.attention_layers}
     )
+    if not heads:
+        # without attention, Mamba-2's heads: x split into (heads, head_dim), its groups (sharing B and C) kv-major
+        heads = sorted({(lay.ssm.n_head, lay.ssm.n_group, lay.ssm.head_dim) for lay in ctx.ir.layers if lay.ssm})
     # a gated q projection splits into heads of queries and gates, 2·head_dim each
     heads += sorted(
         {

@@ -127,9 +127,12 @@ def check_renderable(ir: ModelIR) -> None:
                 f"{ir.source_file}: layer {lay.index} differs from layer {ref.index} in more than its window and RoPE "
                 "numbers; per-layer structure is not supported"
             )
-    if not ir.attention_layers:
-        raise UnsupportedModelError(f"{ir.source_file}: the templates need at least one attention layer")
-    att = ir.attention_layers[0].attention
+    recurrent = all(lay.ssm is not None for lay in ir.layers)
+    if not ir.attention_layers and not recurrent:
+        raise UnsupportedModelError(
+            f"{ir.source_file}: the templates need at least one attention layer, or Mamba-2 in every layer"
+        )
+    att = ir.attention_layers[0].attention if ir.attention_layers else None
     problems = []
     conv, ssm, deltanet = _conv(ir), _ssm(ir), _deltanet(ir)
     if any([lay.attention, lay.conv, lay.ssm, lay.deltanet].count(None) < 3 for lay in ir.layers):
@@ -153,25 +156,8 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("convolution, Mamba-2 or delta-net layers in a parallel block")
     if ssm is not None and (ssm.conv_kernel < 2 or ssm.n_head % ssm.n_group or ssm.n_inner % ssm.n_head):
         problems.append(f"a Mamba-2 mixer of {ssm.n_head} heads, {ssm.n_group} groups, convolution {ssm.conv_kernel}")
-    if att.head_dim_v != att.head_dim and att.latent is None:
-        problems.append(f"value heads of {att.head_dim_v} != key heads of {att.head_dim}")
-    problems += _latent_problems(att)
-    if att.rope.scaling not in RENDERABLE_ROPE_SCALING:
-        problems.append(f"RoPE scaling {att.rope.scaling.value!r}")
-    if (att.rope.freq_factors is not None) != (att.rope.scaling in (RopeScaling.LLAMA3, RopeScaling.LONGROPE)):
-        problems.append("RoPE frequency factors without a scaling kind that reads them")
-    if (att.rope.freq_factors_short is not None) != (att.rope.scaling is RopeScaling.LONGROPE):
-        problems.append("short RoPE factors outside LongRoPE")
-    if att.rope.ext_factor and att.rope.scaling is not RopeScaling.YARN:
-        problems.append("a RoPE extrapolation factor outside YaRN")
-    if att.latent is None and (
-        bool(att.qkv) == bool(att.q or att.k or att.v) or not (att.qkv or (att.q and att.k and att.v))
-    ):
-        problems.append("attention needs either a fused qkv projection or all of q, k and v")
-    if att.qkv_bias and not att.qkv or (att.q_bias or att.k_bias or att.v_bias) and att.qkv:
-        problems.append("attention biases that do not match its projections")
-    if bool(att.q_norm) != bool(att.k_norm):
-        problems.append("a q norm without a k norm (or the reverse)")
+    if att is not None:
+        problems += _attention_problems(att)
     for mlp in dict.fromkeys(lay.mlp for lay in ir.layers if lay.mlp is not None):
         if (mlp.kind is MLPKind.MOE) != bool(mlp.router):
             problems.append("a mixture of experts without a router (or a router outside one)")
@@ -198,11 +184,38 @@ def check_renderable(ir: ModelIR) -> None:
         problems.append("dense layers beside expert layers in a parallel block")
     if first.wiring is Wiring.PARALLEL and (first.attn_norm is None or first.attn_post_norm or first.ffn_post_norm):
         problems.append("a parallel block needs an input norm and has no post-norms")
-    if att.group_size * att.n_kv_head != att.n_head:
-        problems.append(f"{att.n_head} query heads are not a multiple of {att.n_kv_head} KV heads")
-    problems += _altup_problems(ir)
+    if att is None and (ir.altup is not None or first.wiring is not Wiring.SINGLE or _ffn_kinds(ir) != (None, None)):
+        problems.append("a model without attention outside a single-sublayer block of Mamba-2 alone")
+    problems += _altup_problems(ir) if att is not None else []
     if problems:
         raise UnsupportedModelError(f"{ir.source_file}: the templates cannot render " + "; ".join(problems))
+
+
+def _attention_problems(att) -> list[str]:
+    """What the attention templates cannot render of the model's attention (its first attention layer's)."""
+    problems = []
+    if att.head_dim_v != att.head_dim and att.latent is None:
+        problems.append(f"value heads of {att.head_dim_v} != key heads of {att.head_dim}")
+    problems += _latent_problems(att)
+    if att.rope.scaling not in RENDERABLE_ROPE_SCALING:
+        problems.append(f"RoPE scaling {att.rope.scaling.value!r}")
+    if (att.rope.freq_factors is not None) != (att.rope.scaling in (RopeScaling.LLAMA3, RopeScaling.LONGROPE)):
+        problems.append("RoPE frequency factors without a scaling kind that reads them")
+    if (att.rope.freq_factors_short is not None) != (att.rope.scaling is RopeScaling.LONGROPE):
+        problems.append("short RoPE factors outside LongRoPE")
+    if att.rope.ext_factor and att.rope.scaling is not RopeScaling.YARN:
+        problems.append("a RoPE extrapolation factor outside YaRN")
+    if att.latent is None and (
+        bool(att.qkv) == bool(att.q or att.k or att.v) or not (att.qkv or (att.q and att.k and att.v))
+    ):
+        problems.append("attention needs either a fused qkv projection or all of q, k and v")
+    if att.qkv_bias and not att.qkv or (att.q_bias or att.k_bias or att.v_bias) and att.qkv:
+        problems.append("attention biases that do not match its projections")
+    if bool(att.q_norm) != bool(att.k_norm):
+        problems.append("a q norm without a k norm (or the reverse)")
+    if att.group_size * att.n_kv_head != att.n_head:
+        problems.append(f"{att.n_head} query heads are not a multiple of {att.n_kv_head} KV heads")
+    return problems
 
 
 def _latent_problems(att) -> list[str]:
@@ -244,7 +257,7 @@ def _sparsity(lay: LayerSpec) -> float:
 def _activations(ir: ModelIR) -> list[Activation]:
     """The activation functions the module defines: the MLPs', and SiLU where a Mamba-2 or delta-net mixer gates."""
     dense, moe = _ffn_kinds(ir)
-    acts = [(dense or moe).activation]
+    acts = [(dense or moe).activation] if (dense or moe) else []
     if (_ssm(ir) or _deltanet(ir)) is not None and Activation.SILU not in acts:
         acts.append(Activation.SILU)
     return acts
@@ -322,7 +335,7 @@ def _altup_problems(ir: ModelIR) -> list[str]:
 def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
     """(name, value, comment) for every configuration constant of the generated module, in file order."""
     first = ir.layers[0]
-    att = ir.attention_layers[0].attention
+    att = ir.attention_layers[0].attention if ir.attention_layers else None
     dense, moe = _ffn_kinds(ir)
     mixed = dense is not None and moe is not None
     mlp = dense or moe  # N_FF: the dense layers' width beside experts
@@ -332,15 +345,19 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         ("N_VOCAB", ir.n_vocab, ""),
         ("N_EMBD", ir.n_embd, ""),
         ("N_LAYER", ir.n_layer, ""),
-        ("N_HEAD", att.n_head, ""),
-        ("N_KV_HEAD", att.n_kv_head, ""),
-        ("HEAD_DIM", att.head_dim, ""),
-        ("GROUP_SIZE", att.group_size, "query heads sharing one KV head"),
-        ("N_FF", mlp.n_ff, ""),
-        ("CONTEXT_LENGTH", ir.n_ctx_train, ""),
-        ("NORM_EPS", ir.norm_eps, ""),
-        ("SCORE_SCALE", att.score_scale, "multiplies q·k before the softmax"),
     ]
+    if att is not None:
+        rows += [
+            ("N_HEAD", att.n_head, ""),
+            ("N_KV_HEAD", att.n_kv_head, ""),
+            ("HEAD_DIM", att.head_dim, ""),
+            ("GROUP_SIZE", att.group_size, "query heads sharing one KV head"),
+        ]
+    if mlp is not None:
+        rows.append(("N_FF", mlp.n_ff, ""))
+    rows += [("CONTEXT_LENGTH", ir.n_ctx_train, ""), ("NORM_EPS", ir.norm_eps, "")]
+    if att is not None:
+        rows.append(("SCORE_SCALE", att.score_scale, "multiplies q·k before the softmax"))
     if mixed:
         rows.append(("N_FF_EXP", moe.n_ff, "each expert's MLP width"))
         rows.append(("MOE_LAYERS", tuple(lay.mlp.router is not None for lay in ir.layers), "per layer: experts"))
@@ -355,12 +372,12 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         if moe.router.n_group:
             rows.append(("N_EXPERT_GROUP", moe.router.n_group, "groups of experts, each N_EXPERT / N_EXPERT_GROUP"))
             rows.append(("N_EXPERT_GROUP_USED", moe.router.n_group_used, "groups a token chooses its experts in"))
-    if att.temperature:
+    if att is not None and att.temperature:
         t = att.temperature
         rows.append(("ATTN_TEMPERATURE_SCALE", t.scale, "q · (log(floor((p + offset) / length) + 1) · scale + 1)"))
         rows.append(("ATTN_TEMPERATURE_LENGTH", t.length, "positions per step of that factor"))
         rows.append(("ATTN_TEMPERATURE_OFFSET", t.offset, "added to the position p"))
-    if att.logit_softcap:
+    if att is not None and att.logit_softcap:
         rows.append(("ATTN_LOGIT_SOFTCAP", att.logit_softcap, "scores = cap · tanh(scores / cap)"))
     if ir.embedding.scale != 1.0:
         rows.append(("EMBED_SCALE", ir.embedding.scale, "token embeddings are scaled on input"))
@@ -370,9 +387,9 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         rows.append(("LOGIT_SCALE", ir.output.logit_scale, "multiplies the logits"))
     if ir.output.final_softcap:
         rows.append(("FINAL_LOGIT_SOFTCAP", ir.output.final_softcap, "logits = cap · tanh(logits / cap)"))
-    rows.append(
-        ("SLIDING_WINDOW", tuple(_per_attention(ir, lambda a: a.sliding_window, 0)), "per layer; 0: all positions")
-    )
+    if att is not None:
+        windows = tuple(_per_attention(ir, lambda a: a.sliding_window, 0))
+        rows.append(("SLIDING_WINDOW", windows, "per layer; 0: all positions"))
     if any(lay.attention.chunk for lay in ir.attention_layers):
         chunks = tuple(_per_attention(ir, lambda a: a.chunk, 0))
         rows.append(("ATTENTION_CHUNK", chunks, "per layer: attends within chunks of this many positions; 0: none"))
@@ -434,7 +451,7 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
             ("LAYER_CACHES", ir.layer_caches(), "per layer: its caches, (kind, shape of a position's row or a state)"),
             ("STATE_KINDS", ("conv_window", "delta"), "the caches that hold one state per sequence"),
         ]
-    if att.latent is not None:
+    if att is not None and att.latent is not None:
         lat = att.latent
         rows += [
             ("KV_LORA_RANK", lat.kv_lora_rank, "the latent each position's keys and values are compressed to"),
@@ -448,7 +465,7 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         ]
     if ir.tap_names:
         rows.append(("TAP_NAMES", ir.tap_names, "(tap, llama.cpp's name for that tensor in this family's graph)"))
-    if att.kv_layer is not None:
+    if att is not None and att.kv_layer is not None:
         rows.append(("N_KV_CACHE", len(ir.kv_cache_layers), "KV caches: fewer than layers when layers share them"))
         rows.append(("KV_CACHE_OF", ir.kv_cache_of, "per layer: the KV cache its attention reads"))
         writes = tuple(lay.attention.kv_layer == lay.index for lay in ir.layers)
@@ -486,21 +503,26 @@ def module_constants(ir: ModelIR) -> dict:
 def template_context(ir: ModelIR) -> dict:
     check_renderable(ir)
     first = ir.layers[0]
-    att = ir.attention_layers[0].attention
+    att = ir.attention_layers[0].attention if ir.attention_layers else None
     style = _rope_style(ir)
-    norms = [first.attn_norm, first.ffn_norm, first.attn_post_norm, first.ffn_post_norm, att.q_norm, ir.output.norm]
-    norm_kinds = sorted({n.kind.value for n in norms if n is not None} | ({"rms"} if att.rotated_qk_norm else set()))
+    q_norm = att.q_norm if att is not None else None
+    norms = [first.attn_norm, first.ffn_norm, first.attn_post_norm, first.ffn_post_norm, q_norm, ir.output.norm]
+    rotated_qk_norm = att is not None and att.rotated_qk_norm
+    norm_kinds = sorted({n.kind.value for n in norms if n is not None} | ({"rms"} if rotated_qk_norm else set()))
     dense, moe = _ffn_kinds(ir)
     mixed = dense is not None and moe is not None
-    summary = (
-        f"{ir.n_layer} layers, d_model {ir.n_embd}, {att.n_head} query heads / {att.n_kv_head} KV heads of size "
-        f"{att.head_dim}, vocabulary {ir.n_vocab}."
-    )
+    if att is not None:
+        summary = (
+            f"{ir.n_layer} layers, d_model {ir.n_embd}, {att.n_head} query heads / {att.n_kv_head} KV heads of size "
+            f"{att.head_dim}, vocabulary {ir.n_vocab}."
+        )
+    else:
+        summary = f"{ir.n_layer} layers, d_model {ir.n_embd}, no attention, vocabulary {ir.n_vocab}."
     conv = _conv(ir)
     if conv is not None:
         n_conv = sum(lay.conv is not None for lay in ir.layers)
         summary += f"\n{n_conv} of the layers mix tokens with a short convolution of length {conv.kernel}."
-    if att.latent is not None:
+    if att is not None and att.latent is not None:
         summary += (
             f"\nLatent attention: keys and values of every head from one cached row of {att.head_dim} per position "
             f"(a latent of {att.latent.kv_lora_rank} and {att.rope.dim} RoPE dims)."
@@ -530,7 +552,9 @@ def template_context(ir: ModelIR) -> dict:
         )
     return dict(
         attention_template=(
-            "attention_latent" if att.latent else "attention" if att.kv_layer is None else "attention_shared_kv"
+            None
+            if att is None
+            else "attention_latent" if att.latent else "attention" if att.kv_layer is None else "attention_shared_kv"
         ),
         block_components=(["laurel"] if first.laurel else []) + (["altup"] if altup else []),
         forward_template="forward_altup" if altup else "forward",
@@ -562,13 +586,14 @@ def template_context(ir: ModelIR) -> dict:
         or ssm is not None
         or deltanet is not None
         or first.wiring is Wiring.SINGLE
-        or att.latent is not None,
-        latent=att.latent,
+        or att is not None
+        and att.latent is not None,
+        latent=att.latent if att is not None else None,
         tap_names=bool(ir.tap_names),
-        rope_factors=att.rope.freq_factors,
-        rope_scaling=att.rope.scaling.value,
-        rope_factors_short=att.rope.freq_factors_short,
-        rope_attn_factor=att.rope.attn_factor,
+        rope_factors=att.rope.freq_factors if att is not None else None,
+        rope_scaling=att.rope.scaling.value if att is not None else None,
+        rope_factors_short=att.rope.freq_factors_short if att is not None else None,
+        rope_attn_factor=att.rope.attn_factor if att is not None else 1.0,
         layer=first,
         att=att,
         mlp=dense or moe,  # the dense one beside experts
@@ -588,11 +613,13 @@ def _primitives(ir: ModelIR, style: RopeStyle, norm_kinds: list[str]) -> list[st
 
     from alchemist.kernels.primitives import Primitives
 
-    defined = {"project", "causal_attention", *(ACTIVATION_FUNCTIONS[act] for act in _activations(ir))}
+    defined = {"project", *(ACTIVATION_FUNCTIONS[act] for act in _activations(ir))}
+    if ir.attention_layers:
+        defined.add("causal_attention")
     defined |= {f"{kind}_norm" for kind in norm_kinds}
     if _ffn_kinds(ir)[1] is not None:
         defined.add("project_experts")
-    if ir.attention_layers[0].attention.latent is not None:
+    if ir.attention_layers and ir.attention_layers[0].attention.latent is not None:
         defined.add("project_heads")
     if style is not RopeStyle.NONE:
         defined |= {"rope_angles", "rope"}

@@ -24,6 +24,11 @@ TABLE_END = "<!-- architectures:end -->"
 def quirks(ir: ModelIR) -> list[str]:
     """What a model computes differently from llama, component by component (from its IR)."""
     lay = ir.layers[0]
+    if not ir.attention_layers:  # a pure Mamba-2: what it has instead of llama's attention and MLP
+        n_ssm = sum(x.ssm is not None for x in ir.layers)
+        return [f"Mamba-2 layers ({n_ssm} of {ir.n_layer})", "no attention", "no MLP"] + (
+            ["tied output"] if ir.output.tied else ["untied output"]
+        )
     att = ir.attention_layers[0].attention
     mlps = [x.mlp for x in ir.layers if x.mlp is not None]  # (a single-sublayer block may hold none)
     mlp = mlps[0]

@@ -68,7 +68,8 @@ def cache_windows(module) -> tuple[int, ...]:
     first = {}
     for il, c in enumerate(owners):
         first.setdefault(c, il)
-    return tuple(module.SLIDING_WINDOW[first[c]] for c in sorted(first))
+    windows = getattr(module, "SLIDING_WINDOW", (0,) * module.N_LAYER)  # none without attention (Mamba-2)
+    return tuple(windows[first[c]] for c in sorted(first))
 
 
 class SlotEngine:
