@@ -43,6 +43,7 @@ SCALE_FIELDS = {
     "IQ4_NL": (0,),
     "IQ4_XS": (0,),
     "TQ2_0": (64,),
+    "TQ1_0": (52,),
 }
 # byte offsets of the E8M0 scale bytes (MXFP4, scale 2^(e - 128)): moderate exponents, or the extremes
 E8M0_FIELDS = {"MXFP4": (0,)}
@@ -472,9 +473,12 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
         "Q6_K",
         "IQ4_XS",
         "TQ2_0",
+        "TQ1_0",
     ):  # the same float operations in the same order
         assert np.array_equal(got_c, want)
-    if ggml_type in ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "TQ2_0"):
+    if ggml_type in (
+        "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "TQ2_0", "TQ1_0"
+    ):  # fmt: skip
         assert np.array_equal(np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x[:1], raw)), want[:1])  # decode
     assert np.abs(got_c - want).max() <= 2e-6 * scale
     if native.matmul_kernel():

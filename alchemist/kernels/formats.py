@@ -30,6 +30,7 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "IQ4_NL": (32, 18),
     "IQ4_XS": (256, 136),
     "TQ2_0": (256, 66),
+    "TQ1_0": (256, 54),
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(BLOCK_SIZES)
@@ -52,6 +53,10 @@ E8M0_HALF_TABLE = (
 # weight is d * KVALUES_IQ4NL[q] (IQ4_NL: one fp16 d per 32) or (d * (ls - 32)) * KVALUES_IQ4NL[q] (IQ4_XS: one
 # fp16 d per 256 and a 6-bit scale ls per 32, its low 4 bits in scales_l and high 2 in scales_h)
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+# TQ1_0_DIGITS[n][q]: base-3 digit n (0, 1, 2) of a TQ1_0 byte q, as ggml's dequantize_row_tq1_0 reads it: the top
+# of 3 * (q * 3^n mod 256) in 8.8 fixed point
+_BYTES = np.arange(256, dtype=np.uint32)
+TQ1_0_DIGITS = np.stack([(((_BYTES * 3**n) % 256) * 3 >> 8).astype(np.int8) for n in range(5)])
 
 
 def row_bytes(ggml_type: str, n_in: int) -> int:
@@ -217,6 +222,16 @@ def dequantize_blocks(xp, blocks, ggml_type: str):
         d = ops.f16(b[..., 64:66])[..., None]
         q = _bits(ops, qs, (0, 2, 4, 6), 2)  # (..., 2, 4, 32)
         return flat(d * f32(q.reshape((*lead, 256)) - 1))
+
+    if ggml_type == "TQ1_0":
+        # ternary in base-3 digits: byte m of the first 32 holds elements 32n + m (digits n = 0..4), of the next 16
+        # elements 160 + 16n + m, of the last 4 elements 240 + 4n + m (n = 0..3); digit 0, 1, 2 is -1, 0, 1
+        d = ops.f16(b[..., 52:54])[..., None]
+        parts = [
+            ops.concat([ops.lookup(TQ1_0_DIGITS[n], b[..., lo:hi]) for n in range(digits)])
+            for lo, hi, digits in ((0, 32, 5), (32, 48, 5), (48, 52, 4))
+        ]
+        return flat(d * f32(ops.concat(parts) - 1))
 
     raise NotImplementedError(ggml_type)
 

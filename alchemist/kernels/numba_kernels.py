@@ -29,7 +29,8 @@ _QK = np.array([formats.BLOCK_SIZES[t][0] for t in formats.SUPPORTED_TYPES], dty
 K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q2_K, K_Q3_K, K_Q4_K, K_Q5_K, K_Q6_K, K_MXFP4 = (
     KINDS[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
-K_IQ4_NL, K_IQ4_XS, K_TQ2_0 = KINDS["IQ4_NL"], KINDS["IQ4_XS"], KINDS["TQ2_0"]
+K_IQ4_NL, K_IQ4_XS, K_TQ2_0, K_TQ1_0 = KINDS["IQ4_NL"], KINDS["IQ4_XS"], KINDS["TQ2_0"], KINDS["TQ1_0"]
+_TQ1_0_DIGITS = formats.TQ1_0_DIGITS
 
 _jit = numba.njit(cache=True, fastmath=False)
 # inlined at Numba IR level into the kernel, where LLVM can see that the row buffer is a fresh allocation
@@ -260,6 +261,22 @@ def _dq_tq2_0(kind, r, nb, y, n16):
                 o = 256 * b + 128 * j + 32 * n
                 for c in range(2 * n16):
                     y[o + c] = d * np.float32(((np.int64(r[p + 32 * j + c]) >> (2 * n)) & 3) - 1)
+
+
+@_jit_inline
+def _dq_tq1_0(kind, r, nb, y, n16):
+    for b in range(nb):
+        p = 54 * b
+        d = _f16(r[p + 52], r[p + 53])
+        o = 256 * b
+        for n in range(5):
+            for m in range(2 * n16):
+                y[o + 32 * n + m] = d * np.float32(_TQ1_0_DIGITS[n, r[p + m]] - 1)
+            for m in range(n16):
+                y[o + 160 + 16 * n + m] = d * np.float32(_TQ1_0_DIGITS[n, r[p + 32 + m]] - 1)
+        for n in range(4):
+            for j in range(4):
+                y[o + 240 + 4 * n + j] = d * np.float32(_TQ1_0_DIGITS[n, r[p + 48 + j]] - 1)
 
 
 @numba.njit(cache=True, fastmath={"reassoc"})
@@ -627,6 +644,30 @@ def qmatmul_tq2_0(x, w):
     return y
 
 
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def qmatmul_tq1_0(x, w):
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_tq1_0(K_TQ1_0, w[o0 + r], n_in // 256, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_tq1_0(K_TQ1_0, w[o], n_in // 256, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
 DRIVERS = {
     "Q4_0": qmatmul_q4_0,
     "Q4_1": qmatmul_q4_1,
@@ -642,6 +683,7 @@ DRIVERS = {
     "IQ4_NL": qmatmul_iq4_nl,
     "IQ4_XS": qmatmul_iq4_xs,
     "TQ2_0": qmatmul_tq2_0,
+    "TQ1_0": qmatmul_tq1_0,
 }
 
 
@@ -668,6 +710,8 @@ def dq_row(kind, row, n_in, out, n16):
         _dq_iq4_xs(kind, row, n_in // 256, out, n16)
     elif kind == K_TQ2_0:
         _dq_tq2_0(kind, row, n_in // 256, out, n16)
+    elif kind == K_TQ1_0:
+        _dq_tq1_0(kind, row, n_in // 256, out, n16)
     else:
         _dq_q6_k(kind, row, n_in // 256, out, n16)
 

@@ -435,6 +435,35 @@ struct TQ2_0 {
     }
 };
 
+/* TQ1_0 (ternary, 1.69 bits): 48 bytes of five base-3 digits each, 4 bytes of four, then an fp16 d. Digit n of a
+   byte q is the top of 3 * (q * 3^n mod 256) in 8.8 fixed point (ggml's dequantize_row_tq1_0): byte m of the first
+   32 holds elements 32n + m, byte m of the next 16 holds 160 + 16n + m, byte j of the last 4 holds 240 + 4n + j;
+   weight d * (digit - 1). One scale per 256, given as 8 equal sub-block scales. */
+struct TQ1_0 {
+    enum { QK = 256, BS = 54, SUB = 32, NSUB = 8, HAS_MIN = 0 };
+    static inline int8_t trit(uint8_t q, int n) {
+        static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+        const uint8_t shifted = (uint8_t)(q * pow3[n]);
+        return (int8_t)(((uint16_t)shifted * 3) >> 8);
+    }
+    /* the digits 0, 1, 2 in element order */
+    static inline void codes(const uint8_t *b, int8_t *c) {
+        for (int n = 0; n < 5; ++n)
+            for (int m = 0; m < 32; ++m) c[32 * n + m] = trit(b[m], n);
+        for (int n = 0; n < 5; ++n)
+            for (int m = 0; m < 16; ++m) c[160 + 16 * n + m] = trit(b[32 + m], n);
+        for (int n = 0; n < 4; ++n)
+            for (int j = 0; j < 4; ++j) c[240 + 4 * n + j] = trit(b[48 + j], n);
+    }
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        const float d = f16(b + 52);
+        for (int s = 0; s < 8; ++s) dl[s] = d;
+        codes(b, q);
+        for (int i = 0; i < 256; ++i) q[i] = (int8_t)(q[i] - 1);
+        return q;
+    }
+};
+
 /* ------------------------------------------------------------------ the shared inner product */
 struct Acc {
     vf a0, a1;
@@ -990,6 +1019,10 @@ template <>
 struct GgmlTiled<TQ2_0> {
     enum { YES = 0 };
 };
+template <>
+struct GgmlTiled<TQ1_0> {
+    enum { YES = 0 };
+};
 
 #if AQ_AVX2
 /* the 12 packed 6-bit scales and mins -> utmp[0..1] = 8 scales, utmp[2..3] = 8 mins, one byte each */
@@ -1195,6 +1228,38 @@ struct GgmlDot<TQ2_0> {
             const __m256i bsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(ybs + 16 * i)), ones);
             sumi = _mm256_sub_epi32(sumi, bsum);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(yd[i] * f16(b + 64)), acc);
+        }
+        return acc8_total(acc);
+    }
+};
+#endif
+
+#if AQ_AVX2
+/* ggml_vec_dot_tq1_0_q8_K: the digits decoded (its avg-based decode gives the same 0, 1, 2), then as TQ2_0's: 16-bit
+   lane e of every 32-element vector's maddubs pairs elements 2e, 2e+1, so 32-bit lane k holds, over the 8 vectors,
+   elements 4k..4k+3 of each, minus the activation sums bsums[2k] + bsums[2k+1]; acc = float(lanes) * (dy * d) + acc
+   (ggml's mul and add, contracted to one fma by its compiler), the row the 8-lane sum. vec_dot at every batch size,
+   as llama.cpp (no tinyBLAS or tiled kernel has TQ1_0). */
+template <>
+struct GgmlDot<TQ1_0> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
+        const __m256i ones = _mm256_set1_epi16(1);
+        alignas(32) int8_t c[256];
+        __m256 acc = _mm256_setzero_ps();
+        for (idx_t i = 0; i < nb; ++i) {
+            const uint8_t *b = x + i * TQ1_0::BS;
+            const int8_t *q8 = yq + 256 * i;
+            TQ1_0::codes(b, c);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int v = 0; v < 8; ++v) {
+                const __m256i codes = _mm256_load_si256((const __m256i *)(c + 32 * v));
+                const __m256i y = _mm256_loadu_si256((const __m256i *)(q8 + 32 * v));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, y), ones));
+            }
+            const __m256i bsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(ybs + 16 * i)), ones);
+            sumi = _mm256_sub_epi32(sumi, bsum);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(yd[i] * f16(b + 52)), acc);
         }
         return acc8_total(acc);
     }
