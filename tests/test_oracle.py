@@ -326,8 +326,8 @@ def test_quantize_fixture_produces_type(quantized, oracles, qtype):
     ref = oracles["qwen3"].logits(IDS)
     m = compare_logits(q, ref)
     assert np.all(np.isfinite(q))
-    # quantization noise, not another model (llama.cpp's own file against its F32 logits); ternary TQ2_0 / TQ1_0 keep about
-    # half of a random Gaussian matrix's signal (its block maximum sets the scale: most weights round to 0)
+    # quantization noise, not another model (llama.cpp's own file against its F32 logits); ternary TQ2_0 / TQ1_0
+    # keep about half of a random Gaussian matrix's signal (its block maximum sets the scale: most weights round to 0)
     floor = {"Q2_K": 0.75, "TQ2_0": 0.4, "TQ1_0": 0.4}.get(qtype, 0.9)
     assert m.mean_pearson > floor, str(m)
 
