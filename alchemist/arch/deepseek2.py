@@ -17,7 +17,15 @@ never applied. Files from before the absorbed form (attn_kv_b, no key_length_mla
 import numpy as np
 
 
-from alchemist.arch.family import ExpertRouting, Family, FixtureSpec, gating_from_file, leading_dense_ffns, logf
+from alchemist.arch.family import (
+    ExpertRouting,
+    Family,
+    FixtureSpec,
+    gating_from_file,
+    inverse_yarn_mscale,
+    leading_dense_ffns,
+    logf,
+)
 from alchemist.arch.table import (
     ATTN_MLA,
     ATTN_MLA_Q,
@@ -49,13 +57,6 @@ def _yarn_freq_scale(hp) -> float:
     return 1.0 / factor if kind == "yarn" and factor else 1.0
 
 
-def _graph_attn_factor(hp, freq_scale: float) -> float:
-    """The attn_factor deepseek2.cpp's graph receives under YaRN: llama_context's, adjusted to cancel ggml's
-    magnitude 1 + 0.1 ln(1/freq_scale), so that RoPE keeps the magnitude 1 DeepSeek's reference gives it."""
-    f = np.float32
-    return float(f(1) / f(f(f(0.1) * f(logf(float(f(1) / f(freq_scale))))) + f(1)))
-
-
 def _score_scale(hp, head_dim_mla: int) -> float:
     """deepseek2.cpp's kq_scale in float32: mscale² / sqrtf(key_length_mla), mscale = attn_factor_org · (1 + 0.1 ·
     yarn_log_mul · ln(1/freq_scale)), attn_factor_org = the graph's attn_factor · (1 + 0.1 ln(1/freq_scale));
@@ -66,9 +67,34 @@ def _score_scale(hp, head_dim_mla: int) -> float:
         return float(f(1.0) / np.sqrt(f(head_dim_mla)))
     ln = f(logf(float(f(1) / f(freq_scale))))
     log_mul = f(f(hp.float("rope.scaling.yarn_log_multiplier", default=0.0)) / f(0.1))
-    org = f(f(_graph_attn_factor(hp, freq_scale)) * f(f(1) + f(f(0.1) * ln)))
+    org = f(f(inverse_yarn_mscale(hp, freq_scale)) * f(f(1) + f(f(0.1) * ln)))
     mscale = f(org * f(f(1) + f(f(f(0.1) * log_mul) * ln)))
     return float(f(f(mscale * mscale) / np.sqrt(f(head_dim_mla))))
+
+
+SMALL_MOE = (("expert_count", 4), ("expert_used_count", 2), ("expert_feed_forward_length", 128))
+
+
+def _fixture(q_lora_rank: int, *metadata, optional=("blk.{il}.attn_q.weight",), extra_optional=(), **spec):
+    """A fixture of 3 layers (the first dense) with one KV head of [latent 256 | RoPE 32], query heads of 64 + 32
+    and values of 64; queries through a low rank of q_lora_rank (0: attn_q directly)."""
+    return FixtureSpec(
+        n_layer=3,
+        rope_dim=32,
+        optional=("output.weight", *optional, *extra_optional),
+        metadata=(
+            ("attention.head_count_kv", 1),
+            ("attention.key_length", 256 + 32),
+            ("attention.value_length", 256),
+            ("attention.key_length_mla", 64 + 32),
+            ("attention.value_length_mla", 64),
+            ("attention.q_lora_rank", q_lora_rank),
+            ("attention.kv_lora_rank", 256),
+            ("leading_dense_block_count", 1),
+            *metadata,
+        ),
+        **spec,
+    )
 
 
 FAMILY = Family(
@@ -90,7 +116,7 @@ FAMILY = Family(
     score_scale=_score_scale,
     # YaRN: deepseek2.cpp scales q·k by mscale² and keeps RoPE's magnitude at 1 (its graph's attn_factor)
     rope_scalings=("none", "linear", "yarn"),
-    yarn_attn_factor=_graph_attn_factor,
+    yarn_attn_factor=inverse_yarn_mscale,
     layer_ffns=leading_dense_ffns,
     mtp_layers=lambda hp: hp.int("nextn_predict_layers", default=0),
     moe=ExpertRouting(
@@ -102,89 +128,36 @@ FAMILY = Family(
         groups=lambda hp: (hp.int("expert_group_count", default=0), hp.int("expert_group_used_count", default=0)),
     ),
     # DeepSeek-V3's shape scaled down: layer 0 dense, layers 1-2 experts (8 in 4 groups, 2 of them used, 2
-    # experts per token, sigmoid scores with a selection bias) and a shared expert; queries through a low rank;
-    # one KV head of [latent 256 | RoPE 32], query heads of 64 + 32, values of 64
-    fixture=FixtureSpec(
-        n_layer=3,
-        rope_dim=32,
-        optional=(
-            "output.weight",
-            "blk.{il}.attn_q_a.weight",
-            "blk.{il}.attn_q_a_norm.weight",
-            "blk.{il}.attn_q_b.weight",
-            "blk.{il}.exp_probs_b.bias",
-        ),
-        metadata=(
-            ("attention.head_count_kv", 1),
-            ("attention.key_length", 256 + 32),
-            ("attention.value_length", 256),
-            ("attention.key_length_mla", 64 + 32),
-            ("attention.value_length_mla", 64),
-            ("attention.q_lora_rank", 256),
-            ("attention.kv_lora_rank", 256),
-            ("leading_dense_block_count", 1),
-            ("expert_count", 8),
-            ("expert_used_count", 2),
-            ("expert_group_count", 4),
-            ("expert_group_used_count", 2),
-            ("expert_feed_forward_length", 128),
-            ("expert_shared_count", 1),
-            ("expert_weights_norm", True),
-            ("expert_weights_scale", 2.5),
-            ("expert_gating_func", 2),
-        ),
+    # experts per token, sigmoid scores with a selection bias) and a shared expert; queries through a low rank.
+    # Variants: DeepSeek-V2-Lite's shape (queries by attn_q, softmax scores without groups or selection bias), and
+    # DeepSeek-V3's YaRN (factor 40 over 4096 positions there) with the log multiplier its files carry
+    fixture=_fixture(
+        256,
+        ("expert_count", 8),
+        ("expert_used_count", 2),
+        ("expert_group_count", 4),
+        ("expert_group_used_count", 2),
+        ("expert_feed_forward_length", 128),
+        ("expert_shared_count", 1),
+        ("expert_weights_norm", True),
+        ("expert_weights_scale", 2.5),
+        ("expert_gating_func", 2),
+        optional=("blk.{il}.attn_q_a.weight", "blk.{il}.attn_q_a_norm.weight", "blk.{il}.attn_q_b.weight"),
+        extra_optional=("blk.{il}.exp_probs_b.bias",),
         scales=(("blk.{il}.ffn_gate_inp.weight", 0.5), ("blk.{il}.exp_probs_b.bias", 1.0)),
-        # DeepSeek-V2-Lite's shape: queries by attn_q, softmax scores without groups or selection bias; and
-        # DeepSeek-V3's YaRN (factor 40 over 4096 positions there) with the log multiplier its files carry
         variants=(
-            (
-                "lite",
-                FixtureSpec(
-                    n_layer=3,
-                    rope_dim=32,
-                    optional=("output.weight", "blk.{il}.attn_q.weight"),
-                    metadata=(
-                        ("attention.head_count_kv", 1),
-                        ("attention.key_length", 256 + 32),
-                        ("attention.value_length", 256),
-                        ("attention.key_length_mla", 64 + 32),
-                        ("attention.value_length_mla", 64),
-                        ("attention.q_lora_rank", 0),
-                        ("attention.kv_lora_rank", 256),
-                        ("leading_dense_block_count", 1),
-                        ("expert_count", 4),
-                        ("expert_used_count", 2),
-                        ("expert_feed_forward_length", 128),
-                        ("expert_shared_count", 2),
-                        ("expert_weights_scale", 1.0),
-                    ),
-                ),
-            ),
+            ("lite", _fixture(0, *SMALL_MOE, ("expert_shared_count", 2), ("expert_weights_scale", 1.0))),
             (
                 "yarn",
-                FixtureSpec(
-                    n_layer=3,
-                    rope_dim=32,
-                    optional=("output.weight", "blk.{il}.attn_q.weight"),
-                    metadata=(
-                        ("attention.head_count_kv", 1),
-                        ("attention.key_length", 256 + 32),
-                        ("attention.value_length", 256),
-                        ("attention.key_length_mla", 64 + 32),
-                        ("attention.value_length_mla", 64),
-                        ("attention.q_lora_rank", 0),
-                        ("attention.kv_lora_rank", 256),
-                        ("leading_dense_block_count", 1),
-                        ("expert_count", 4),
-                        ("expert_used_count", 2),
-                        ("expert_feed_forward_length", 128),
-                        ("expert_shared_count", 1),
-                        ("expert_weights_scale", 1.0),
-                        ("rope.scaling.type", "yarn"),
-                        ("rope.scaling.factor", 40.0),
-                        ("rope.scaling.original_context_length", 16),
-                        ("rope.scaling.yarn_log_multiplier", 0.1),
-                    ),
+                _fixture(
+                    0,
+                    *SMALL_MOE,
+                    ("expert_shared_count", 1),
+                    ("expert_weights_scale", 1.0),
+                    ("rope.scaling.type", "yarn"),
+                    ("rope.scaling.factor", 40.0),
+                    ("rope.scaling.original_context_length", 16),
+                    ("rope.scaling.yarn_log_multiplier", 0.1),
                 ),
             ),
         ),

@@ -173,6 +173,13 @@ def yarn_mscale_ggml(freq_scale: float) -> float:
     return float(f(float(f(0.1)) * logf(float(f(1) / f(freq_scale))) + 1.0))
 
 
+def inverse_yarn_mscale(hp: Hparams, freq_scale: float) -> float:
+    """1.0f / (1.0f + 0.1f * logf(1.0f / freq_scale)) in float32 without FMA: the attn_factor mistral3.cpp and
+    deepseek2.cpp hand ggml_rope_ext under YaRN, cancelling ggml's own magnitude (Family.yarn_attn_factor)."""
+    f = np.float32
+    return float(f(1) / f(f(f(0.1) * f(logf(float(f(1) / f(freq_scale))))) + f(1)))
+
+
 # gguf-py's ExpertGatingFuncType (llama.cpp's llama_expert_gating_func_type); 0 is NONE, "the family's default"
 GATING_FUNCS = {1: Gating.SOFTMAX, 2: Gating.SIGMOID, 3: Gating.SOFTMAX_WEIGHT}
 

@@ -6,9 +6,7 @@ with two differences: q·k is scaled by `attention.scale` when it is set, and wi
 log(floor(p / n) + 1) · scale + 1, n = rope.scaling.original_context_length, llama.cpp's n_ctx_orig_yarn).
 """
 
-import numpy as np
-
-from alchemist.arch.family import Family, FixtureSpec, attention_scale_key, logf
+from alchemist.arch.family import Family, FixtureSpec, attention_scale_key, inverse_yarn_mscale
 from alchemist.arch.llama import FAMILY as LLAMA
 from alchemist.errors import GGUFError
 from alchemist.ir import Activation, AttentionTemperature, RopeStyle
@@ -24,12 +22,6 @@ def _temperature(hp) -> AttentionTemperature | None:
     return AttentionTemperature(scale=scale, length=length, offset=0.0)
 
 
-def _inverse_yarn_mscale(hp, freq_scale: float) -> float:
-    """mistral3.cpp's attn_factor = 1.0f / (1.0f + 0.1f * logf(1.0f / freq_scale)), in float32 without FMA."""
-    f = np.float32
-    return float(f(1) / f(f(f(0.1) * f(logf(float(f(1) / f(freq_scale))))) + f(1)))
-
-
 FAMILY = Family(
     name="mistral3",
     tensors=LLAMA.tensors,
@@ -39,7 +31,7 @@ FAMILY = Family(
     attn_temperature=_temperature,
     rope_scalings=("none", "linear", "yarn"),
     # mistral3.cpp hands ggml_rope_ext 1 / (1 + 0.1 ln factor), which (about) cancels ggml's YaRN magnitude
-    yarn_attn_factor=_inverse_yarn_mscale,
+    yarn_attn_factor=inverse_yarn_mscale,
     yarn_betas=lambda hp: (
         hp.float("rope.scaling.yarn_beta_fast", default=32.0),
         hp.float("rope.scaling.yarn_beta_slow", default=1.0),

@@ -420,27 +420,38 @@ struct IQ4_XS {
     }
 };
 
+/* a ternary block (TQ2_0, TQ1_0) unpacked: q = code - 1 (codes 0, 1, 2 from Q::codes), one scale d per 256 given
+   as 8 equal sub-block scales */
+template <class Q>
+static inline const int8_t *ternary_unpack(const uint8_t *b, int8_t *q, float *dl) {
+    const float d = f16(b + Q::D_AT);
+    for (int s = 0; s < 8; ++s) dl[s] = d;
+    Q::codes(b, q);
+    for (int i = 0; i < 256; ++i) q[i] = (int8_t)(q[i] - 1);
+    return q;
+}
+
 /* TQ2_0 (ternary): 64 bytes of 2-bit codes, then an fp16 d. Bits 2n of byte b of 32-byte chunk j hold element
-   128j + 32n + b as code c, weight d * (c - 1) (codes 0, 1, 2; a 3 decodes to 2 as gguf-py and ggml read it).
-   One scale per 256, given as 8 equal sub-block scales. */
+   128j + 32n + b as code c, weight d * (c - 1) (codes 0, 1, 2; a 3 decodes to 2 as gguf-py and ggml read it). */
 struct TQ2_0 {
-    enum { QK = 256, BS = 66, SUB = 32, NSUB = 8, HAS_MIN = 0 };
-    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
-        const float d = f16(b + 64);
-        for (int s = 0; s < 8; ++s) dl[s] = d;
+    enum { QK = 256, BS = 66, SUB = 32, NSUB = 8, HAS_MIN = 0, D_AT = 64 };
+    /* the codes 0, 1, 2 in element order */
+    static inline void codes(const uint8_t *b, int8_t *c) {
         for (int j = 0; j < 2; ++j)
             for (int n = 0; n < 4; ++n)
-                for (int c = 0; c < 32; ++c) q[128 * j + 32 * n + c] = (int8_t)(((b[32 * j + c] >> (2 * n)) & 3) - 1);
-        return q;
+                for (int m = 0; m < 32; ++m) c[128 * j + 32 * n + m] = (int8_t)((b[32 * j + m] >> (2 * n)) & 3);
+    }
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        return ternary_unpack<TQ2_0>(b, q, dl);
     }
 };
 
 /* TQ1_0 (ternary, 1.69 bits): 48 bytes of five base-3 digits each, 4 bytes of four, then an fp16 d. Digit n of a
    byte q is the top of 3 * (q * 3^n mod 256) in 8.8 fixed point (ggml's dequantize_row_tq1_0): byte m of the first
    32 holds elements 32n + m, byte m of the next 16 holds 160 + 16n + m, byte j of the last 4 holds 240 + 4n + j;
-   weight d * (digit - 1). One scale per 256, given as 8 equal sub-block scales. */
+   weight d * (digit - 1). */
 struct TQ1_0 {
-    enum { QK = 256, BS = 54, SUB = 32, NSUB = 8, HAS_MIN = 0 };
+    enum { QK = 256, BS = 54, SUB = 32, NSUB = 8, HAS_MIN = 0, D_AT = 52 };
     static inline int8_t trit(uint8_t q, int n) {
         static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
         const uint8_t shifted = (uint8_t)(q * pow3[n]);
@@ -456,11 +467,7 @@ struct TQ1_0 {
             for (int j = 0; j < 4; ++j) c[240 + 4 * n + j] = trit(b[48 + j], n);
     }
     static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
-        const float d = f16(b + 52);
-        for (int s = 0; s < 8; ++s) dl[s] = d;
-        codes(b, q);
-        for (int i = 0; i < 256; ++i) q[i] = (int8_t)(q[i] - 1);
-        return q;
+        return ternary_unpack<TQ1_0>(b, q, dl);
     }
 };
 
@@ -1202,66 +1209,48 @@ struct GgmlDot<IQ4_XS> {
 #endif
 
 #if AQ_AVX2
-/* ggml_vec_dot_tq2_0_q8_K: per super-block lane k of 8 sums the codes (0..2) times the activations over bytes
-   4k..4k+3 of both chunks and all four bit pairs, minus the activation sums bsums[2k] + bsums[2k+1] (which turns
-   the codes into -1, 0, 1), all in integers; then acc = float(lanes) * (dy * d) + acc (ggml's mul and add,
-   contracted to one fma by its compiler) and the row is the 8-lane sum. llama.cpp takes this at every batch
-   size (no tinyBLAS or tiled kernel has TQ2_0). */
+/* ggml_vec_dot_tq2_0_q8_K and ggml_vec_dot_tq1_0_q8_K (the ternary types): the codes 0..2 against the activations,
+   16-bit lane e of every 32-element vector's maddubs pairing elements 2e, 2e+1, so that 32-bit lane k holds, over
+   the 8 vectors, elements 4k..4k+3 of each, minus the activation sums bsums[2k] + bsums[2k+1] (which turns the
+   codes into -1, 0, 1), all in integers (TQ1_0's base-3 digits decoded first: its avg-based decode gives the same
+   codes); then acc = float(lanes) * (dy * d) + acc (ggml's mul and add, contracted to one fma by its compiler)
+   and the row is the 8-lane sum. llama.cpp takes vec_dot at every batch size (no tinyBLAS or tiled kernel has
+   them). */
+template <class Q>
+static inline float ternary_dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    alignas(32) int8_t c[256];
+    __m256 acc = _mm256_setzero_ps();
+    for (idx_t i = 0; i < nb; ++i) {
+        const uint8_t *b = x + i * Q::BS;
+        const int8_t *q8 = yq + 256 * i;
+        Q::codes(b, c);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int v = 0; v < 8; ++v) {
+            const __m256i codes = _mm256_load_si256((const __m256i *)(c + 32 * v));
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(q8 + 32 * v));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, y), ones));
+        }
+        const __m256i bsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(ybs + 16 * i)), ones);
+        sumi = _mm256_sub_epi32(sumi, bsum);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(yd[i] * f16(b + Q::D_AT)), acc);
+    }
+    return acc8_total(acc);
+}
+
 template <>
 struct GgmlDot<TQ2_0> {
     enum { EXACT = 1 };
     static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
-        const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
-        __m256 acc = _mm256_setzero_ps();
-        for (idx_t i = 0; i < nb; ++i) {
-            const uint8_t *b = x + i * TQ2_0::BS;
-            const int8_t *q8 = yq + 256 * i;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 2; ++j) {
-                const __m256i bits = _mm256_loadu_si256((const __m256i *)(b + 32 * j));
-                for (int n = 0; n < 4; ++n) {
-                    const __m256i codes = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * n), m3);
-                    const __m256i y = _mm256_loadu_si256((const __m256i *)(q8 + 128 * j + 32 * n));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, y), ones));
-                }
-            }
-            const __m256i bsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(ybs + 16 * i)), ones);
-            sumi = _mm256_sub_epi32(sumi, bsum);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(yd[i] * f16(b + 64)), acc);
-        }
-        return acc8_total(acc);
+        return ternary_dot<TQ2_0>(x, nb, yq, yd, ybs);
     }
 };
-#endif
 
-#if AQ_AVX2
-/* ggml_vec_dot_tq1_0_q8_K: the digits decoded (its avg-based decode gives the same 0, 1, 2), then as TQ2_0's: 16-bit
-   lane e of every 32-element vector's maddubs pairs elements 2e, 2e+1, so 32-bit lane k holds, over the 8 vectors,
-   elements 4k..4k+3 of each, minus the activation sums bsums[2k] + bsums[2k+1]; acc = float(lanes) * (dy * d) + acc
-   (ggml's mul and add, contracted to one fma by its compiler), the row the 8-lane sum. vec_dot at every batch size,
-   as llama.cpp (no tinyBLAS or tiled kernel has TQ1_0). */
 template <>
 struct GgmlDot<TQ1_0> {
     enum { EXACT = 1 };
     static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
-        const __m256i ones = _mm256_set1_epi16(1);
-        alignas(32) int8_t c[256];
-        __m256 acc = _mm256_setzero_ps();
-        for (idx_t i = 0; i < nb; ++i) {
-            const uint8_t *b = x + i * TQ1_0::BS;
-            const int8_t *q8 = yq + 256 * i;
-            TQ1_0::codes(b, c);
-            __m256i sumi = _mm256_setzero_si256();
-            for (int v = 0; v < 8; ++v) {
-                const __m256i codes = _mm256_load_si256((const __m256i *)(c + 32 * v));
-                const __m256i y = _mm256_loadu_si256((const __m256i *)(q8 + 32 * v));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, y), ones));
-            }
-            const __m256i bsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(ybs + 16 * i)), ones);
-            sumi = _mm256_sub_epi32(sumi, bsum);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(yd[i] * f16(b + 52)), acc);
-        }
-        return acc8_total(acc);
+        return ternary_dot<TQ1_0>(x, nb, yq, yd, ybs);
     }
 };
 #endif
