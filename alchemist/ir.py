@@ -490,7 +490,8 @@ class ModelIR:
         convolution; of one sequence's state (STATE_KINDS) for a Mamba-2 layer's "conv_window"
         (conv_kernel - 1, n_xbc), its last inputs, and "ssm" (n_head, head_dim, n_state), and for a delta-net
         layer's "conv_window" (conv_kernel - 1, n_qkv) and "delta" (n_v_head, head_dim of k, head_dim of v); a
-        latent attention layer's one "kv_latent" (1, kv_lora_rank + RoPE dims), keys and values in one row."""
+        latent attention layer's one "kv_latent" (1, kv_lora_rank + RoPE dims), keys and values in one row; a
+        layer with attention and Mamba-2 side by side, "k" and "v" and then Mamba-2's two."""
         caches = []
         for lay in self.layers:
             if not self._owns_caches(lay):
@@ -504,7 +505,10 @@ class ModelIR:
             elif lay.ssm is not None:
                 ssm = lay.ssm
                 window = ("conv_window", (ssm.conv_kernel - 1, ssm.n_xbc))
-                caches.append((window, ("ssm", (ssm.n_head, ssm.head_dim, ssm.n_state))))
+                states = (window, ("ssm", (ssm.n_head, ssm.head_dim, ssm.n_state)))
+                # beside attention (falcon-h1's layers): its key and value rows first
+                row = (lay.attention.n_kv_head, lay.attention.head_dim) if lay.attention is not None else None
+                caches.append(((("k", row), ("v", row)) if row else ()) + states)
             elif lay.conv is not None:
                 caches.append((("conv", (self.n_embd,)),))
             elif lay.attention.latent is not None:

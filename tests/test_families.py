@@ -40,7 +40,7 @@ def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
         "llama", "qwen2", "qwen3", "gemma3", "gemma", "gemma2", "phi3", "granite", "olmo2", "smollm3",
         "starcoder2", "gpt2", "stablelm", "internlm2", "exaone", "exaone4", "command-r", "cohere2", "lfm2",
         "qwen3moe", "gpt-oss", "gemma3n", "mistral3", "lfm2moe", "glm4moe", "llama4", "granitehybrid",
-        "qwen35", "qwen35moe", "qwen3next", "nemotron_h", "deepseek2", "mamba2",
+        "qwen35", "qwen35moe", "qwen3next", "nemotron_h", "deepseek2", "mamba2", "falcon-h1",
     }  # fmt: skip
     assert set(FAMILIES) == set(FAMILY_VALUES) == wanted
     for case in FIXTURES:
@@ -83,7 +83,7 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     # llama.cpp's own names for some intermediates: only where the family's graph names them its own way
     assert {c for c, src in sources.items() if "TAP_NAMES" in src} == {
         "lfm2", "lfm2:swa", "lfm2moe", "gpt-oss", "glm4moe", "llama4", "qwen35", "qwen35moe", "qwen3next",
-        "qwen3next:fused", "nemotron_h",
+        "qwen3next:fused", "nemotron_h", "falcon-h1",
     }  # fmt: skip
     # dense layers beside expert layers: both MLPs, chosen per layer
     assert "def moe(" in sources["lfm2moe"] and "if MOE_LAYERS[il] else mlp(" in sources["lfm2moe"]
@@ -100,8 +100,10 @@ def test_fixture_modules_render_and_differ_by_component(fixture_irs):
     # recurrent states: only the Mamba-2 hybrid's forward() takes n_valid
     assert {c for c, src in sources.items() if "STATE_KINDS" in src} == {
         "granitehybrid", "granitehybrid:moe", "qwen35", "qwen35moe", "qwen3next", "qwen3next:fused", "nemotron_h",
-        "mamba2",
+        "mamba2", "falcon-h1",
     }  # fmt: skip
+    # attention and Mamba-2 side by side, summed
+    assert "out = attn_out + ssm_out" in sources["falcon-h1"] and "attn_out + ssm_out" not in sources["granitehybrid"]
     # without attention: no attention, cache step or RoPE in the module, and no MLP
     assert {c for c, src in sources.items() if "def causal_attention(" not in src} == {"mamba2"}
     assert "def cache_step(" not in sources["mamba2"] and "def mlp(" not in sources["mamba2"]
@@ -131,6 +133,7 @@ def test_quirks_name_what_differs_from_llama(fixture_irs):
     assert any("best 2 of 4 groups, selection bias, shared expert" in q for q in deepseek)
     assert quirks(fixture_irs["deepseek2:lite"])[0] == "latent attention (one cached row of 288)"
     assert quirks(fixture_irs["mamba2"]) == ["Mamba-2 layers (3 of 3)", "no attention", "no MLP", "untied output"]
+    assert quirks(fixture_irs["falcon-h1"])[:2] == ["attention and Mamba-2 side by side in every layer", "NEOX RoPE"]
 
 
 def test_readme_table_is_generated_from_current_results(fixture_irs):

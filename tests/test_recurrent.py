@@ -1,5 +1,6 @@
 """Recurrent layers (granitehybrid's Mamba-2, qwen35's gated delta-net, nemotron_h's Mamba-2 blocks beside MLP-only
-blocks, mamba2's Mamba-2 alone without attention) under the cache contract: their states
+blocks, mamba2's Mamba-2 alone without attention, falcon-h1's beside attention in every layer) under the cache
+contract: their states
 against llama.cpp through whole prompts, split prefills, decode steps and restarts; per slot in the serving
 engine with checkpoints at chunk boundaries for prefix reuse; and `alchemist chat` reusing a checkpoint."""
 
@@ -17,6 +18,8 @@ FAMILIES = {
     "qwen35": (("conv_window_cache.0", "delta_cache.0"), (4, 64, 64)),
     "nemotron_h": (("conv_window_cache.0", "ssm_cache.0"), (8, 64, 16)),  # and an MLP-only block without caches
     "mamba2": (("conv_window_cache.0", "ssm_cache.0"), (4, 64, 16)),  # no attention, no MLP
+    # attention and Mamba-2 side by side: a KV cache and the states in every layer
+    "falcon-h1": (("k_cache.0", "v_cache.0", "conv_window_cache.0", "ssm_cache.0"), (4, 64, 16)),
 }
 
 
@@ -43,7 +46,7 @@ def test_recurrent_states_follow_the_prefill_decode_contract(recurrent):
     names, state_shape = FAMILIES[family]
     engine = Engine(model.module, model.weights_for("c"), "c", 64)
     assert tuple(sv.name for sv in engine.cache[0]) == names
-    assert engine.cache[0][1].get_value().shape == state_shape  # no capacity axis
+    assert engine.cache[0][-1].get_value().shape == state_shape  # no capacity axis
     other = [5, 77, 300, 12, 9, 400, 33, 21]
     with LlamaCppOracle(path, n_ctx=64, n_threads=1) as oracle:
         ref, ref_other = oracle.logits(PROMPT), oracle.logits(other)
@@ -66,7 +69,7 @@ def test_slot_engine_keeps_states_per_slot_and_reuses_checkpoints(recurrent):
     weights = model.weights_for("c")
     single = Engine(model.module, weights, "c", 32)
     slots = SlotEngine(Engine(model.module, weights, "c", 32), n_slots=2, chunk=4, decode_buckets=(2,))
-    assert slots.cache[0][1].type.shape == (3, *FAMILIES[family][1])
+    assert slots.cache[0][-1].type.shape == (3, *FAMILIES[family][1])
     a, b = PROMPT[:9], PROMPT[:6] + [5, 77, 300]
     for lo, hi in slots.chunk_plan(len(a)):
         slots.prefill(0, a[lo:hi], lo)

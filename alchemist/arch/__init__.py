@@ -9,6 +9,7 @@ from alchemist.arch import (
     deepseek2,
     exaone,
     exaone4,
+    falcon_h1,
     gemma,
     gemma2,
     gemma3,
@@ -78,6 +79,7 @@ FAMILY_MODULES = (
     llama4,
     deepseek2,
     mamba2,
+    falcon_h1,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

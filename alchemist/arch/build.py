@@ -44,11 +44,17 @@ EPS_KEYS = {NormKind.RMS: "attention.layer_norm_rms_epsilon", NormKind.LAYER: "a
 
 
 def read_dims(
-    facts: GGUFFacts, hp: Hparams, mixers: list[str] | None = None, latent: bool = False, ffn: bool = True
+    facts: GGUFFacts,
+    hp: Hparams,
+    mixers: list[str] | None = None,
+    latent: bool = False,
+    ffn: bool = True,
+    ssm: bool = False,
 ) -> Dims:
     """The dimensions the tensor table names; `mixers` (a hybrid's per-layer token mixers) makes head_count_kv
     per layer and reads the convolution length; `latent` reads multi-head latent attention's sizes; without
-    attention layers (a pure Mamba-2) the attention sizes, and without any MLP (ffn False) its width, are 0."""
+    attention layers (a pure Mamba-2) the attention sizes, and without any MLP (ffn False) its width, are 0; `ssm`
+    reads Mamba-2's sizes for layers that have it beside attention."""
     path, arch = facts.path, hp.arch
     n_embd = hp.int("embedding_length", minimum=1)
     if mixers is not None and "attention" not in mixers:
@@ -93,7 +99,7 @@ def read_dims(
         n_ctx=hp.int("context_length", minimum=1),
         conv_kernel=hp.int("shortconv.l_cache", minimum=2) if mixers and "conv" in mixers else 0,
         n_layer=hp.int("block_count", minimum=1),
-        **(_ssm_dims(facts, hp) if mixers and {"ssm", "deltanet"} & set(mixers) else {}),
+        **(_ssm_dims(facts, hp) if ssm or mixers and {"ssm", "deltanet"} & set(mixers) else {}),
         **(_latent_dims(facts, hp, n_kv_head, head_dim, head_dim_v, rope_dim) if latent else {}),
     )
 
@@ -490,7 +496,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     n_blocks = hp.int("block_count", minimum=1)
     ffns = family.layer_ffns(hp, n_blocks) if family.layer_ffns else None
     has_ffn = ffns is None or any(kind != "none" for kind in ffns)
-    dims = read_dims(facts, hp, mixers, latent=family.latent_attention, ffn=has_ffn)
+    dims = read_dims(facts, hp, mixers, latent=family.latent_attention, ffn=has_ffn, ssm=family.parallel_ssm)
     n_mtp = family.mtp_layers(hp) if family.mtp_layers else 0
     if not 0 <= n_mtp < n_blocks:
         raise GGUFError(
@@ -606,7 +612,8 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     # a delta-net's [q | k | v] is named like a fused attention projection; attention layers beside it are split
     fused = table.get("attn_qkv.weight")
     attention_qkv = present("attn_qkv.weight") if fused is not None and fused.mixer != "deltanet" else None
-    mixer_specs = token_mixers(facts, family, dims, set(mixers or ()), present, block_norm)
+    kinds = set(mixers or ()) | ({"ssm"} if family.parallel_ssm else set())
+    mixer_specs = token_mixers(facts, family, dims, kinds, present, block_norm)
     ffn_norm = block_norm(family.ffn_norm)
     # gpt-oss's post_attention_norm is its pre-FFN norm, not a norm on the attention output
     attn_post_norm = (
@@ -679,6 +686,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
                 attn_post_norm=attn_post_norm,
                 ffn_post_norm=block_norm("post_ffw_norm.weight"),
                 residual_scale=family.residual_scale(hp),
+                ssm=mixer_specs["ssm"] if family.parallel_ssm else None,  # beside attention
             )
         )
 

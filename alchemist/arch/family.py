@@ -268,6 +268,9 @@ class Family:
     rotated_qk_norm: Callable[[Hparams], bool] = lambda hp: False
     # the q projection carries a sigmoid gate per head for the attention output (table: ATTN_Q_GATED)
     gated_attention: bool = False
+    # every layer mixes tokens with attention and Mamba-2 side by side, summed (falcon-h1; table: SSM_MAMBA2 without
+    # its mixer tag)
+    parallel_ssm: bool = False
     # multi-head latent attention (table: ATTN_MLA): keys and values through a compressed latent; score_scale
     # then gets the head size of q·k before absorption (key_length_mla)
     latent_attention: bool = False

@@ -135,8 +135,14 @@ def check_renderable(ir: ModelIR) -> None:
     att = ir.attention_layers[0].attention if ir.attention_layers else None
     problems = []
     conv, ssm, deltanet = _conv(ir), _ssm(ir), _deltanet(ir)
-    if any([lay.attention, lay.conv, lay.ssm, lay.deltanet].count(None) < 3 for lay in ir.layers):
-        problems.append("a layer with more than one token mixer")
+    side_by_side = [lay.attention is not None and lay.ssm is not None for lay in ir.layers]
+    if any(side_by_side) and not all(side_by_side):
+        problems.append("attention and Mamba-2 side by side in some layers only")
+    if any(
+        [lay.attention, lay.conv, lay.ssm, lay.deltanet].count(None) < 3 - both
+        for lay, both in zip(ir.layers, side_by_side)
+    ):
+        problems.append("a layer with more than one token mixer (other than attention beside Mamba-2)")
     single = first.wiring is Wiring.SINGLE
     if any((not ir.mixes(lay) or lay.mlp is None) and not single for lay in ir.layers):
         problems.append("a layer without a token mixer or without an MLP outside a single-sublayer block")
@@ -589,6 +595,7 @@ def template_context(ir: ModelIR) -> dict:
         or att is not None
         and att.latent is not None,
         latent=att.latent if att is not None else None,
+        side_by_side=ssm is not None and all(lay.attention is not None for lay in ir.layers),
         tap_names=bool(ir.tap_names),
         rope_factors=att.rope.freq_factors if att is not None else None,
         rope_scaling=att.rope.scaling.value if att is not None else None,

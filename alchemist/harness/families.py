@@ -38,7 +38,9 @@ def quirks(ir: ModelIR) -> list[str]:
     if n_conv:
         out.append(f"short-conv layers ({n_conv} of {ir.n_layer})")
     n_ssm = sum(x.ssm is not None for x in ir.layers)
-    if n_ssm:
+    if n_ssm and all(x.attention is not None for x in ir.layers):
+        out.append("attention and Mamba-2 side by side in every layer")
+    elif n_ssm:
         out.append(f"Mamba-2 layers ({n_ssm} of {ir.n_layer})")
     n_delta = sum(x.deltanet is not None for x in ir.layers)
     if n_delta:
