@@ -110,12 +110,15 @@ def _metadata_value(w: gguf.GGUFWriter, key: str, value) -> None:
         raise TypeError(f"fixture metadata {key}: unsupported value {value!r}")
 
 
-def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config: FixtureConfig | None = None) -> Path:
+def write_fixture(
+    path: str | Path, arch: str, weight_type: str = "F32", config: FixtureConfig | None = None, encode=None
+) -> Path:
     """Write a random-weight GGUF for `arch` (a family, or "<family>:<variant>") with 2-D weights stored as
     `weight_type` ("F32" or "F16").
 
     The tensors are the family's table (its required tensors and the optional ones its FixtureSpec names),
-    with the shapes the table gives for this config's hyperparameters."""
+    with the shapes the table gives for this config's hyperparameters. `encode(name, role, values)` may return
+    (raw bytes, GGMLQuantizationType) to store a tensor quantized instead (None: as it is)."""
     family, spec = fixture_spec(arch)
     arch = family.name
     if weight_type not in ("F32", "F16"):
@@ -225,11 +228,20 @@ def write_fixture(path: str | Path, arch: str, weight_type: str = "F32", config:
         v = values(name, t.role, dims.resolve(t.shape))
         return (v * scales[t.name]).astype(v.dtype) if t.name in scales else v
 
+    def add(t, name: str) -> None:
+        values = scaled(t, name)
+        encoded = encode(name, t.role, values) if encode is not None else None
+        if encoded is None:
+            w.add_tensor(name, values)
+        else:
+            raw, raw_dtype = encoded
+            w.add_tensor(name, raw, raw_dtype=raw_dtype)  # byte shape: gguf derives the element shape
+
     for t in (t for t in wanted if not t.per_layer):
-        w.add_tensor(t.name, scaled(t, t.name))
+        add(t, t.name)
     for il in range(n_layer):
         for t in (t for t in wanted if t.per_layer and t.in_layer(il, mixers, ffns, n_main)):
-            w.add_tensor(t.name.format(il=il), scaled(t, t.name.format(il=il)))
+            add(t, t.name.format(il=il))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -24,6 +24,7 @@ from alchemist.kernels import (  # noqa: E402
     quantized_linear,
     row_bytes,
 )
+from alchemist.kernels.iq_grids import GRID_TYPES
 from alchemist.kernels.formats import reference_dequantize  # noqa: E402
 from alchemist.kernels import native  # noqa: E402
 from alchemist.runtime.backends import get_mode  # noqa: E402
@@ -44,6 +45,11 @@ SCALE_FIELDS = {
     "IQ4_XS": (0,),
     "TQ2_0": (64,),
     "TQ1_0": (52,),
+    "IQ2_XXS": (0,),
+    "IQ2_XS": (0,),
+    "IQ2_S": (0,),
+    "IQ3_XXS": (0,),
+    "IQ3_S": (0,),
 }
 # byte offsets of the E8M0 scale bytes (MXFP4, scale 2^(e - 128)): moderate exponents, or the extremes
 E8M0_FIELDS = {"MXFP4": (0,)}
@@ -474,10 +480,12 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
         "IQ4_XS",
         "TQ2_0",
         "TQ1_0",
+        *GRID_TYPES,
     ):  # the same float operations in the same order
         assert np.array_equal(got_c, want)
     if ggml_type in (
-        "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "TQ2_0", "TQ1_0"
+        "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "TQ2_0", "TQ1_0",
+        *GRID_TYPES,
     ):  # fmt: skip
         assert np.array_equal(np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x[:1], raw)), want[:1])  # decode
     assert np.abs(got_c - want).max() <= 2e-6 * scale

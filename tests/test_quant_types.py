@@ -1,4 +1,4 @@
-"""IQ4_NL, IQ4_XS, TQ2_0 and TQ1_0: the block formats against llama.cpp's own quantizer and dequantizer, and fixtures
+"""IQ4_NL, IQ4_XS, TQ2_0, TQ1_0 and the grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): the block formats against llama.cpp's own quantizer and dequantizer, and fixtures
 llama.cpp quantized run through the kernels with numerics="ggml" give llama.cpp's logits bit for bit, prompt and
 decode.
 (The kernels against gguf-py and ggml_vec_dot, type by type, are in tests/test_kernels.py; the fixtures of the
@@ -14,7 +14,10 @@ from alchemist.kernels.formats import KVALUES_IQ4NL
 
 PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
 CONTEXT = 64
-I_QUANTS = ("IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0")
+GRID_QUANTS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
+I_QUANTS = ("IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0", *GRID_QUANTS)
+# how much of a random matrix each keeps: ternary scaled by the block maximum about half, 2 bits a bit more
+SIGNAL = {"TQ2_0": 0.4, "TQ1_0": 0.4, "IQ2_XXS": 0.8, "IQ2_XS": 0.85, "IQ2_S": 0.85, "IQ3_XXS": 0.9, "IQ3_S": 0.9}
 
 
 def test_the_grid_is_ggmls():
@@ -35,13 +38,13 @@ def test_dequantization_is_llamacpps(ggml_type):
     raw = quantize_array(values, ggml_type).reshape(24, -1)
     ours = dequantize_rows(np, raw, ggml_type, 24, 512)
     np.testing.assert_array_equal(ours, dequantize_array(raw, ggml_type).reshape(24, 512))
-    # and it is a quantization of the values (a coarse one: ternary TQ2_0 / TQ1_0 scaled by the block maximum)
-    assert np.corrcoef(ours.ravel(), values.ravel())[0, 1] > (0.4 if ggml_type.startswith("TQ") else 0.99)
+    # and it is a quantization of the values (coarse ones below 4 bits)
+    assert np.corrcoef(ours.ravel(), values.ravel())[0, 1] > SIGNAL.get(ggml_type, 0.99)
 
 
 # Numba calls the C kernels (tests/test_kernels.py checks its products equal C's for every type): one type on Numba
 @pytest.mark.parametrize(
-    "ggml_type, backend", [(t, "c") for t in I_QUANTS] + [("IQ4_NL", "numba")], ids=lambda v: str(v)
+    "ggml_type, backend", [(t, "c") for t in I_QUANTS if t not in GRID_QUANTS] + [("IQ4_NL", "numba")], ids=str
 )
 def test_fixture_logits_are_llamacpps_to_the_bit(prompt_and_decode_are_llamacpps, fixture_files, ggml_type, backend):
     """qwen2 quantized by llama.cpp (its mixture: the type in the projections, Q6_K output), kernels and
@@ -54,3 +57,27 @@ def test_fixture_logits_are_llamacpps_to_the_bit(prompt_and_decode_are_llamacpps
     loaded = load_for_validation(path, numerics="ggml")
     assert {loaded.module.TENSORS[n][0] for n in loaded.module.KERNEL_WEIGHTS} >= {ggml_type}
     prompt_and_decode_are_llamacpps(loaded.engine(backend, CONTEXT, True), path, PROMPT, CONTEXT)
+
+
+def test_the_grid_header_is_gguf_pys_grids():
+    """csrc/iq_grids.h (the tables the C kernels read) is what `python -m alchemist.kernels.iq_grids` writes from
+    gguf-py's grids: regenerated, byte for byte."""
+    from alchemist.kernels.iq_grids import HEADER, header_text
+
+    assert HEADER.read_text(encoding="utf-8") == header_text()
+
+
+@pytest.mark.parametrize("ggml_type", GRID_QUANTS)
+def test_grid_iquant_fixture_logits_are_llamacpps_to_the_bit(prompt_and_decode_are_llamacpps, tmp_path, ggml_type):
+    """qwen2 with its 2-D weights quantized by llama.cpp's quantizer tensor by tensor (llama_model_quantize wants an
+    importance matrix llama-cpp-python cannot hand it; a uniform one here), kernels and numerics="ggml": the prompt
+    and three decode steps (vec_dot_<type>_q8_K at every batch size, as llama.cpp) are llama.cpp's logits bit for bit.
+    """
+    pytest.importorskip("llama_cpp")
+    from alchemist.harness.quantize import write_quantized_fixture
+    from alchemist.harness.validate import load_for_validation
+
+    path = str(write_quantized_fixture(tmp_path / "m.gguf", "qwen2", ggml_type))
+    loaded = load_for_validation(path, numerics="ggml")
+    assert {loaded.module.TENSORS[n][0] for n in loaded.module.KERNEL_WEIGHTS} >= {ggml_type}
+    prompt_and_decode_are_llamacpps(loaded.engine("c", CONTEXT, True), path, PROMPT, CONTEXT)

@@ -145,7 +145,8 @@ def _type_code(ggml_type: str) -> int:
 def quantize_array(values: np.ndarray, ggml_type: str) -> np.ndarray:
     """float (..., n) -> uint8 (..., row bytes): each row quantized by llama.cpp's ggml_quantize_chunk (no
     imatrix), byte for byte what llama_model_quantize writes for a tensor of that type. 3-D expert stacks
-    (n_expert, n_out, n_in) are n_expert * n_out rows, as ggml stores them."""
+    (n_expert, n_out, n_in) are n_expert * n_out rows, as ggml stores them. The types ggml will not quantize
+    without an importance matrix (IQ2_XXS, IQ2_XS, IQ1_S: ggml_quantize_requires_imatrix) get a uniform one."""
     from gguf import GGMLQuantizationType
     from gguf.constants import GGML_QUANT_SIZES
 
@@ -156,9 +157,43 @@ def quantize_array(values: np.ndarray, ggml_type: str) -> np.ndarray:
         raise ValueError(f"{ggml_type}: rows of {n} values are not a whole number of {qk}-value blocks")
     rows = x.size // n if n else 0
     out = np.empty((*x.shape[:-1], n // qk * bs), dtype=np.uint8)
+    imatrix = np.ones(n, np.float32) if ggml_type in REQUIRES_IMATRIX else None
     if rows:
-        _llama.ggml().quantize_chunk(_type_code(ggml_type), x.ctypes.data, out.ctypes.data, 0, rows, n, None)
+        _llama.ggml().quantize_chunk(
+            _type_code(ggml_type),
+            x.ctypes.data,
+            out.ctypes.data,
+            0,
+            rows,
+            n,
+            None if imatrix is None else imatrix.ctypes.data,
+        )
     return out
+
+
+REQUIRES_IMATRIX = frozenset({"IQ2_XXS", "IQ2_XS", "IQ1_S"})  # ggml.c ggml_quantize_requires_imatrix
+
+
+def write_quantized_fixture(dst: str | Path, arch: str, ggml_type: str) -> Path:
+    """A random-weight fixture of `arch` whose 2-D weights with rows of whole 256-blocks are quantized to
+    `ggml_type` tensor by tensor by llama.cpp's quantizer (ggml_quantize_chunk; a uniform importance matrix where
+    ggml needs one), the rest F32. For the types llama_model_quantize will not write without an importance
+    matrix (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS), which llama-cpp-python cannot hand it."""
+    from gguf import GGMLQuantizationType
+
+    from alchemist.fixtures import write_fixture
+
+    qk = BLOCK_VALUES[ggml_type]
+
+    def encode(name, role, values):
+        if role not in ("linear", "embedding") or values.ndim != 2 or values.shape[-1] % qk:
+            return None
+        return quantize_array(values, ggml_type), GGMLQuantizationType[ggml_type]
+
+    return write_fixture(dst, arch, encode=encode)
+
+
+BLOCK_VALUES = {"IQ2_XXS": 256, "IQ2_XS": 256, "IQ2_S": 256, "IQ3_XXS": 256, "IQ3_S": 256}
 
 
 def dequantize_array(blocks: np.ndarray, ggml_type: str) -> np.ndarray:

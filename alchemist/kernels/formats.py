@@ -31,6 +31,11 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "IQ4_XS": (256, 136),
     "TQ2_0": (256, 66),
     "TQ1_0": (256, 54),
+    "IQ2_XXS": (256, 66),
+    "IQ2_XS": (256, 74),
+    "IQ2_S": (256, 82),
+    "IQ3_XXS": (256, 98),
+    "IQ3_S": (256, 110),
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(BLOCK_SIZES)
@@ -233,7 +238,72 @@ def dequantize_blocks(xp, blocks, ggml_type: str):
         ]
         return flat(d * f32(ops.concat(parts) - 1))
 
+    if ggml_type in GRID_MULT:
+        # weight = d * MULT * (2 ls + 1) * sign * magnitude (the grid i-quants; alchemist.kernels.iq_grids)
+        w, scales = _grid_codes(ops, b, ggml_type, lead)  # (..., 16, 16) signed magnitudes, (..., 16) scales
+        dl = ops.f16(b[..., 0:2])[..., None] * f32(scales) * np.float32(GRID_MULT[ggml_type])
+        return flat(dl[..., None] * f32(w))
+
     raise NotImplementedError(ggml_type)
+
+
+# the grid i-quants' factor on d * (2 ls + 1) (ggml's dequantize_row_<type>: d * (0.5 + ls) * 0.25 is that times 0.125)
+GRID_MULT = {"IQ2_XXS": 0.125, "IQ2_XS": 0.125, "IQ2_S": 0.125, "IQ3_XXS": 0.25, "IQ3_S": 1.0}
+
+
+def _field(v, shift: int, width: int):
+    return (v // (1 << shift)) % (1 << width)
+
+
+def _sign_indices(ops, p):
+    """(..., 4) bytes of a little-endian uint32 -> (..., 4) its four 7-bit sign indices, (...) its top 4 bits."""
+    low = p[..., 0] + 256 * p[..., 1] + 65536 * p[..., 2]  # bits 0..23 (an int32 holds them)
+    third = _field(p[..., 2], 5, 3) + 8 * _field(p[..., 3], 0, 4)  # bits 21..27
+    return ops.stack([_field(low, 0, 7), _field(low, 7, 7), _field(low, 14, 7), third], axis=-1), p[..., 3] // 16
+
+
+def _grid_codes(ops, b, ggml_type: str, lead):
+    """A grid i-quant block's signed magnitudes (..., 16, 16) and the scale 2 ls + 1 of each 16 (..., 16)."""
+    from alchemist.kernels.iq_grids import KSIGNS, grid
+
+    table, ksigns = grid(ggml_type).astype(np.int32), KSIGNS.astype(np.int32)  # int32: signs make negatives
+
+    def signed(index, sign_bytes, n):  # (..., g) grid rows with (..., g) sign bytes (bit j: weight j) -> (..., g, n)
+        return ops.lookup(table, index) * (1 - 2 * _bits(ops, sign_bytes, range(n), 1, axis=-1))
+
+    if ggml_type in ("IQ2_XXS", "IQ3_XXS"):
+        if ggml_type == "IQ2_XXS":
+            qs = b[..., 2:66].reshape((*lead, 8, 8))
+            index, (signs, ls) = qs[..., 0:4], _sign_indices(ops, qs[..., 4:8])
+            w = signed(index, ops.lookup(ksigns, signs), 8)
+        else:
+            index = b[..., 2:66].reshape((*lead, 8, 8))  # 8 entries of 4 per 32; signs per 8
+            signs, ls = _sign_indices(ops, b[..., 66:98].reshape((*lead, 8, 4)))
+            sign8 = ops.lookup(ksigns, signs)  # (..., 8, 4): entry 2j takes the low nibble, 2j + 1 the high
+            w = signed(index, ops.stack([sign8 % 16, sign8 // 16], axis=-1).reshape((*lead, 8, 8)), 4)
+        scales = ops.stack([2 * ls + 1, 2 * ls + 1], axis=-1)  # (..., 8, 2)
+    elif ggml_type == "IQ2_XS":
+        q = b[..., 2:66:2] + 256 * b[..., 3:66:2]  # (..., 32)
+        w = signed(q % 512, ops.lookup(ksigns, q // 512), 8)
+        sc = b[..., 66:74]
+        scales = ops.stack([2 * (sc % 16) + 1, 2 * (sc // 16) + 1], axis=-1)
+    elif ggml_type == "IQ2_S":
+        qh = b[..., 66:74][..., None]  # (..., 8, 1): 2 top bits per entry
+        index = b[..., 2:34].reshape((*lead, 8, 4)) + 256 * ops.concat(
+            [_field(qh, 2 * j, 2) for j in range(4)], axis=-1
+        )
+        w = signed(index, b[..., 34:66].reshape((*lead, 8, 4)), 8)
+        sc = b[..., 74:82]
+        scales = ops.stack([2 * (sc % 16) + 1, 2 * (sc // 16) + 1], axis=-1)
+    else:  # IQ3_S
+        qh = b[..., 66:74][..., None]  # (..., 8, 1): the top bit of each of a 32's 8 entries
+        index = b[..., 2:66].reshape((*lead, 8, 8)) + 256 * ops.concat([_field(qh, j, 1) for j in range(8)], axis=-1)
+        sign_bytes = b[..., 74:106].reshape((*lead, 8, 4))
+        w = signed(index, ops.stack([sign_bytes % 16, sign_bytes // 16], axis=-1).reshape((*lead, 8, 8)), 4)
+        sc = b[..., 106:110]
+        ls = ops.stack([sc % 16, sc // 16], axis=-1).reshape((*lead, 8))
+        scales = ops.stack([2 * ls + 1, 2 * ls + 1], axis=-1)
+    return w.reshape((*lead, 16, 16)), scales.reshape((*lead, 16))
 
 
 def dequantize_rows(xp, w_blocks, ggml_type: str, n_out: int, n_in: int):

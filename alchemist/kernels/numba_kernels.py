@@ -22,6 +22,7 @@ import numpy as np
 from numba import prange
 
 from alchemist.kernels import activations, formats
+from alchemist.kernels import iq_grids
 from alchemist.kernels.native import TYPE_INDEX
 
 KINDS = TYPE_INDEX  # one driver serves every type; the C kernels' library takes the same indices
@@ -30,7 +31,13 @@ K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q2_K, K_Q3_K, K_Q4_K, K_Q5_K, K_Q6_K, 
     KINDS[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 K_IQ4_NL, K_IQ4_XS, K_TQ2_0, K_TQ1_0 = KINDS["IQ4_NL"], KINDS["IQ4_XS"], KINDS["TQ2_0"], KINDS["TQ1_0"]
+K_IQ2_XXS, K_IQ2_XS, K_IQ2_S, K_IQ3_XXS, K_IQ3_S = (KINDS[t] for t in iq_grids.GRID_TYPES)
 _TQ1_0_DIGITS = formats.TQ1_0_DIGITS
+# the grid i-quants' tables (alchemist.kernels.iq_grids): magnitudes per grid row, KSIGNS' sign bytes
+_IQ2_XXS_GRID, _IQ2_XS_GRID, _IQ2_S_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID = (
+    iq_grids.grid(t).astype(np.float32) for t in iq_grids.GRID_TYPES
+)
+_KSIGNS = iq_grids.KSIGNS.astype(np.int64)
 
 _jit = numba.njit(cache=True, fastmath=False)
 # inlined at Numba IR level into the kernel, where LLVM can see that the row buffer is a fresh allocation
@@ -277,6 +284,61 @@ def _dq_tq1_0(kind, r, nb, y, n16):
         for n in range(4):
             for j in range(4):
                 y[o + 240 + 4 * n + j] = d * np.float32(_TQ1_0_DIGITS[n, r[p + 48 + j]] - 1)
+
+
+@_jit_inline
+def _put_group(y, o, row, bits, n, dl):
+    """y[o:o+n] = dl * magnitudes `row` with the signs of `bits` (bit j: weight j negative)."""
+    for j in range(n):
+        y[o + j] = dl * (-row[j] if (bits >> j) & 1 else row[j])
+
+
+@_jit_inline
+def _dq_grid(kind, r, nb, y, n16):
+    """The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): d * MULT * (2 ls + 1) * sign * magnitude, the
+    factor d * (2 ls + 1) * MULT computed first as gguf-py and ggml do (alchemist.kernels.formats)."""
+    bs = (
+        66
+        if kind == K_IQ2_XXS
+        else 74 if kind == K_IQ2_XS else 82 if kind == K_IQ2_S else 98 if kind == K_IQ3_XXS else 110
+    )
+    mult = np.float32(0.25) if kind == K_IQ3_XXS else np.float32(1.0) if kind == K_IQ3_S else np.float32(0.125)
+    for b in range(nb):
+        p, o = bs * b, 256 * b
+        d = _f16(r[p], r[p + 1])
+        for s in range(8):
+            if kind == K_IQ2_XXS or kind == K_IQ3_XXS:
+                a = p + 2 + 8 * s if kind == K_IQ2_XXS else p + 66 + 4 * s
+                aux = np.int64(r[a + (4 if kind == K_IQ2_XXS else 0)])
+                aux |= np.int64(r[a + (5 if kind == K_IQ2_XXS else 1)]) << 8
+                aux |= np.int64(r[a + (6 if kind == K_IQ2_XXS else 2)]) << 16
+                aux |= np.int64(r[a + (7 if kind == K_IQ2_XXS else 3)]) << 24
+                dl = d * np.float32(2 * (aux >> 28) + 1) * mult
+                for j in range(4):
+                    signs = _KSIGNS[(aux >> (7 * j)) & 127]
+                    if kind == K_IQ2_XXS:
+                        _put_group(y, o + 32 * s + 8 * j, _IQ2_XXS_GRID[r[p + 2 + 8 * s + j]], signs, 8, dl)
+                    else:
+                        g = p + 2 + 8 * s + 2 * j
+                        _put_group(y, o + 32 * s + 8 * j, _IQ3_XXS_GRID[r[g]], signs, 4, dl)
+                        _put_group(y, o + 32 * s + 8 * j + 4, _IQ3_XXS_GRID[r[g + 1]], signs >> 4, 4, dl)
+            elif kind == K_IQ2_XS or kind == K_IQ2_S:
+                sc = np.int64(r[p + (66 if kind == K_IQ2_XS else 74) + s])
+                for j in range(4):
+                    dl = d * np.float32(2 * ((sc >> (4 * (j // 2))) & 15) + 1) * mult
+                    if kind == K_IQ2_XS:
+                        q = np.int64(r[p + 2 + 8 * s + 2 * j]) | (np.int64(r[p + 3 + 8 * s + 2 * j]) << 8)
+                        _put_group(y, o + 32 * s + 8 * j, _IQ2_XS_GRID[q & 511], _KSIGNS[q >> 9], 8, dl)
+                    else:
+                        index = np.int64(r[p + 2 + 4 * s + j]) | ((np.int64(r[p + 66 + s]) << (8 - 2 * j)) & 0x300)
+                        _put_group(y, o + 32 * s + 8 * j, _IQ2_S_GRID[index], np.int64(r[p + 34 + 4 * s + j]), 8, dl)
+            else:  # IQ3_S
+                ls = (np.int64(r[p + 106 + s // 2]) >> (4 * (s & 1))) & 15
+                dl = d * np.float32(2 * ls + 1) * mult
+                for j in range(8):
+                    index = np.int64(r[p + 2 + 8 * s + j]) | ((np.int64(r[p + 66 + s]) << (8 - j)) & 256)
+                    bits = np.int64(r[p + 74 + 4 * s + j // 2]) >> (4 * (j & 1))
+                    _put_group(y, o + 32 * s + 4 * j, _IQ3_S_GRID[index], bits, 4, dl)
 
 
 @numba.njit(cache=True, fastmath={"reassoc"})
@@ -668,6 +730,56 @@ def qmatmul_tq1_0(x, w):
     return y
 
 
+@numba.njit(cache=True, parallel=True, fastmath=False)
+def _qmatmul_grid(x, w, kind):
+    """The grid i-quants' driver (one for the five: the row dequantizer dispatches on `kind`)."""
+    n_tokens, n_in = x.shape
+    n_out, n16 = w.shape[0], 16 + (n_in >> 62)
+    y = np.empty((n_tokens, n_out), dtype=np.float32)
+    if n_tokens >= BLAS_MIN_T:
+        panel = _panel_rows(n_in, n_out)
+        buf = np.empty((panel, n_in), dtype=np.float32)
+        for o0 in range(0, n_out, panel):
+            rows = min(panel, n_out - o0)
+            for r in prange(rows):
+                _dq_grid(kind, w[o0 + r], n_in // 256, buf[r], n16)
+            y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
+        return y
+    n_chunks = _chunks(n_out)
+    for ch in prange(n_chunks):
+        row = np.empty(n_in, dtype=np.float32)
+        for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
+            _dq_grid(kind, w[o], n_in // 256, row, n16)
+            for t in range(n_tokens):
+                y[t, o] = _dot(row, x[t])
+    return y
+
+
+@_jit
+def qmatmul_iq2_xxs(x, w):
+    return _qmatmul_grid(x, w, K_IQ2_XXS)
+
+
+@_jit
+def qmatmul_iq2_xs(x, w):
+    return _qmatmul_grid(x, w, K_IQ2_XS)
+
+
+@_jit
+def qmatmul_iq2_s(x, w):
+    return _qmatmul_grid(x, w, K_IQ2_S)
+
+
+@_jit
+def qmatmul_iq3_xxs(x, w):
+    return _qmatmul_grid(x, w, K_IQ3_XXS)
+
+
+@_jit
+def qmatmul_iq3_s(x, w):
+    return _qmatmul_grid(x, w, K_IQ3_S)
+
+
 DRIVERS = {
     "Q4_0": qmatmul_q4_0,
     "Q4_1": qmatmul_q4_1,
@@ -684,6 +796,11 @@ DRIVERS = {
     "IQ4_XS": qmatmul_iq4_xs,
     "TQ2_0": qmatmul_tq2_0,
     "TQ1_0": qmatmul_tq1_0,
+    "IQ2_XXS": qmatmul_iq2_xxs,
+    "IQ2_XS": qmatmul_iq2_xs,
+    "IQ2_S": qmatmul_iq2_s,
+    "IQ3_XXS": qmatmul_iq3_xxs,
+    "IQ3_S": qmatmul_iq3_s,
 }
 
 
@@ -712,6 +829,8 @@ def dq_row(kind, row, n_in, out, n16):
         _dq_tq2_0(kind, row, n_in // 256, out, n16)
     elif kind == K_TQ1_0:
         _dq_tq1_0(kind, row, n_in // 256, out, n16)
+    elif kind == K_IQ2_XXS or kind == K_IQ2_XS or kind == K_IQ2_S or kind == K_IQ3_XXS or kind == K_IQ3_S:
+        _dq_grid(kind, row, n_in // 256, out, n16)
     else:
         _dq_q6_k(kind, row, n_in // 256, out, n16)
 

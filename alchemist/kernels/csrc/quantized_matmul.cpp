@@ -15,6 +15,8 @@
 #define AQ_AVX2 0
 #endif
 
+#include "iq_grids.h"
+
 namespace alchemist_q {
 
 typedef long long idx_t;
@@ -468,6 +470,128 @@ struct TQ1_0 {
     }
     static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
         return ternary_unpack<TQ1_0>(b, q, dl);
+    }
+};
+
+/* The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): every 8 (IQ2) or 4 (IQ3) weights are a grid entry of
+   magnitudes (iq_grids.h) with a sign each, under an integer scale 2 * ls + 1 per 32 or per 16 weights and an fp16
+   d per 256: weight = d * MULT * scale * sign * magnitude. codes() gives the signed magnitudes w (element order)
+   and the scale of each 16 weights; unpack() the weights as the exact kernels take them (SUB 16). */
+template <class Q>
+static inline const int8_t *grid_unpack(const uint8_t *b, int8_t *q, float *dl) {
+    int16_t sc[16];
+    Q::codes(b, q, sc);
+    const float d = f16(b);
+    for (int g = 0; g < 16; ++g) dl[g] = d * (float)sc[g] * Q::mult();
+    return q;
+}
+
+/* the 8 magnitudes of `grid` row `index` with the signs of `bits` (bit j: weight j negative) */
+static inline void signed_group(const uint8_t *row, unsigned bits, int n, int8_t *w) {
+    for (int j = 0; j < n; ++j) w[j] = (int8_t)((bits >> j) & 1 ? -(int)row[j] : (int)row[j]);
+}
+
+/* IQ2_XXS: fp16 d, then per 32 weights 8 bytes: 4 grid indices (8 weights each), then a uint32 of four 7-bit sign
+   indices (KSIGNS) and the 4-bit ls in its top bits */
+struct IQ2_XXS {
+    enum { QK = 256, BS = 66, SUB = 16, NSUB = 16, HAS_MIN = 0 };
+    static inline float mult() { return 0.125f; }
+    static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
+        for (int s = 0; s < 8; ++s) {
+            const uint8_t *p = b + 2 + 8 * s;
+            uint32_t aux;
+            memcpy(&aux, p + 4, 4);
+            for (int j = 0; j < 4; ++j)
+                signed_group(alchemist_iq::iq2_xxs_grid[p[j]], alchemist_iq::ksigns[(aux >> (7 * j)) & 127], 8,
+                             w + 32 * s + 8 * j);
+            sc[2 * s] = sc[2 * s + 1] = (int16_t)(2 * (aux >> 28) + 1);
+        }
+    }
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        return grid_unpack<IQ2_XXS>(b, q, dl);
+    }
+};
+
+/* IQ2_XS: fp16 d, 32 uint16 (9-bit grid index, 7-bit sign index into KSIGNS; 8 weights each), 8 bytes of ls
+   (low nibble for the first 16 weights of each 32, high for the second) */
+struct IQ2_XS {
+    enum { QK = 256, BS = 74, SUB = 16, NSUB = 16, HAS_MIN = 0 };
+    static inline float mult() { return 0.125f; }
+    static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
+        for (int k = 0; k < 32; ++k) {
+            const unsigned q = (unsigned)(b[2 + 2 * k] | (b[3 + 2 * k] << 8));
+            signed_group(alchemist_iq::iq2_xs_grid[q & 511], alchemist_iq::ksigns[q >> 9], 8, w + 8 * k);
+        }
+        for (int s = 0; s < 8; ++s) {
+            sc[2 * s] = (int16_t)(2 * (b[66 + s] & 15) + 1);
+            sc[2 * s + 1] = (int16_t)(2 * (b[66 + s] >> 4) + 1);
+        }
+    }
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        return grid_unpack<IQ2_XS>(b, q, dl);
+    }
+};
+
+/* IQ2_S: fp16 d, 32 low bytes of 10-bit grid indices, 32 sign bytes (8 weights each), 8 bytes of the indices' top
+   2 bits (2 per group of a 32), 8 bytes of ls (low nibble: the first 16 weights of a 32, high: the second) */
+struct IQ2_S {
+    enum { QK = 256, BS = 82, SUB = 16, NSUB = 16, HAS_MIN = 0 };
+    static inline float mult() { return 0.125f; }
+    static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
+        for (int s = 0; s < 8; ++s) {
+            for (int j = 0; j < 4; ++j) {
+                const unsigned index = b[2 + 4 * s + j] | ((b[66 + s] << (8 - 2 * j)) & 0x300);
+                signed_group(alchemist_iq::iq2_s_grid[index], b[34 + 4 * s + j], 8, w + 32 * s + 8 * j);
+            }
+            sc[2 * s] = (int16_t)(2 * (b[74 + s] & 15) + 1);
+            sc[2 * s + 1] = (int16_t)(2 * (b[74 + s] >> 4) + 1);
+        }
+    }
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        return grid_unpack<IQ2_S>(b, q, dl);
+    }
+};
+
+/* IQ3_XXS: fp16 d, 64 grid indices (4 weights each), then per 32 weights a uint32 of four 7-bit sign indices
+   (KSIGNS, 8 weights each) and the 4-bit ls in its top bits */
+struct IQ3_XXS {
+    enum { QK = 256, BS = 98, SUB = 16, NSUB = 16, HAS_MIN = 0 };
+    static inline float mult() { return 0.25f; }
+    static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
+        for (int s = 0; s < 8; ++s) {
+            uint32_t aux;
+            memcpy(&aux, b + 66 + 4 * s, 4);
+            for (int j = 0; j < 4; ++j) {
+                const unsigned signs = alchemist_iq::ksigns[(aux >> (7 * j)) & 127];
+                signed_group(alchemist_iq::iq3_xxs_grid[b[2 + 8 * s + 2 * j]], signs, 4, w + 32 * s + 8 * j);
+                signed_group(alchemist_iq::iq3_xxs_grid[b[3 + 8 * s + 2 * j]], signs >> 4, 4, w + 32 * s + 8 * j + 4);
+            }
+            sc[2 * s] = sc[2 * s + 1] = (int16_t)(2 * (aux >> 28) + 1);
+        }
+    }
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        return grid_unpack<IQ3_XXS>(b, q, dl);
+    }
+};
+
+/* IQ3_S: fp16 d, 64 low bytes of 9-bit grid indices (4 weights each), 8 bytes of their top bits (one per index of
+   a 32), 32 bytes of sign bits, 4 bytes of ls (low nibble: the first 32 of a pair of 32s, high: the second) */
+struct IQ3_S {
+    enum { QK = 256, BS = 110, SUB = 16, NSUB = 16, HAS_MIN = 0 };
+    static inline float mult() { return 1.0f; }
+    static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
+        for (int s = 0; s < 8; ++s) {
+            for (int j = 0; j < 8; ++j) {
+                const unsigned index = b[2 + 8 * s + j] | ((b[66 + s] << (8 - j)) & 256);
+                signed_group(alchemist_iq::iq3_s_grid[index], b[74 + 4 * s + j / 2] >> (4 * (j & 1)), 4,
+                             w + 32 * s + 4 * j);
+            }
+            const int ls = (b[106 + s / 2] >> (4 * (s & 1))) & 15;
+            sc[2 * s] = sc[2 * s + 1] = (int16_t)(2 * ls + 1);
+        }
+    }
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        return grid_unpack<IQ3_S>(b, q, dl);
     }
 };
 
@@ -1031,6 +1155,7 @@ struct GgmlTiled<TQ1_0> {
     enum { YES = 0 };
 };
 
+
 #if AQ_AVX2
 /* the 12 packed 6-bit scales and mins -> utmp[0..1] = 8 scales, utmp[2..3] = 8 mins, one byte each */
 static inline void k_scales_mins(const uint8_t *packed, uint32_t utmp[4]) {
@@ -1238,6 +1363,47 @@ static inline float ternary_dot(const uint8_t *x, idx_t nb, const int8_t *yq, co
     return acc8_total(acc);
 }
 
+/* ggml_vec_dot_iq2_xxs/iq2_xs/iq2_s/iq3_xxs/iq3_s_q8_K: the magnitudes against the activations with the signs moved
+   onto them (maddubs: 16-bit lane e pairs elements 2e, 2e+1 of each 32), times the scale of their 16 (madd), so that
+   32-bit lane k holds, over the 8 vectors, elements 4k..4k+3 of each times their scales, all in integers; then
+   acc = float(lanes) * (d * dy) + acc (fma) and the row is MULT times the 8-lane sum. vec_dot below 8 rows, ggml's
+   tiled matmul from 8 on (grid_int_scales), as llama.cpp switches. */
+template <class Q>
+static inline float grid_dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd) {
+    alignas(32) int8_t w[256];
+    int16_t sc[16];
+    __m256 acc = _mm256_setzero_ps();
+    for (idx_t i = 0; i < nb; ++i) {
+        const uint8_t *b = x + i * Q::BS;
+        Q::codes(b, w, sc);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int v = 0; v < 8; ++v) {
+            const __m256i wv = _mm256_load_si256((const __m256i *)(w + 32 * v));
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(yq + 256 * i + 32 * v));
+            const __m256i dot = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(y, wv));
+            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[2 * v + 1]), _mm_set1_epi16(sc[2 * v]));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(dot, scales));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b) * yd[i]), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return Q::mult() * acc8_total(acc);
+}
+
+#define ALCHEMIST_GRID_DOT(Q)                                                                                     \
+    template <>                                                                                                   \
+    struct GgmlDot<Q> {                                                                                           \
+        enum { EXACT = 1 };                                                                                       \
+        static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *) { \
+            return grid_dot<Q>(x, nb, yq, yd);                                                                    \
+        }                                                                                                         \
+    };
+ALCHEMIST_GRID_DOT(IQ2_XXS)
+ALCHEMIST_GRID_DOT(IQ2_XS)
+ALCHEMIST_GRID_DOT(IQ2_S)
+ALCHEMIST_GRID_DOT(IQ3_XXS)
+ALCHEMIST_GRID_DOT(IQ3_S)
+#undef ALCHEMIST_GRID_DOT
+
 template <>
 struct GgmlDot<TQ2_0> {
     enum { EXACT = 1 };
@@ -1328,6 +1494,30 @@ inline void k_int_scales<IQ4_XS>(const uint8_t *b, int32_t *sc, int32_t *mn, flo
     *d = f16(b);
     *dmin = 0.0f;
 }
+
+/* the grid i-quants in ggml's tiled matmul: the scale 2 ls + 1 of each 16 weights, d times MULT (tiled.cpp folds
+   the 0.125 / 0.25 into the block's d: exact, a power of two), no mins */
+template <class Q>
+static inline void grid_int_scales(const uint8_t *b, int32_t *sc, int32_t *mn, float *d, float *dmin) {
+    alignas(32) int8_t w[256];
+    int16_t sc16[16];
+    Q::codes(b, w, sc16);
+    for (int g = 0; g < 16; ++g) sc[g] = sc16[g];
+    for (int s = 0; s < 8; ++s) mn[s] = 0;
+    *d = f16(b) * Q::mult();
+    *dmin = 0.0f;
+}
+#define ALCHEMIST_GRID_SCALES(Q)                                                                  \
+    template <>                                                                                   \
+    inline void k_int_scales<Q>(const uint8_t *b, int32_t *sc, int32_t *mn, float *d, float *dmin) { \
+        grid_int_scales<Q>(b, sc, mn, d, dmin);                                                   \
+    }
+ALCHEMIST_GRID_SCALES(IQ2_XXS)
+ALCHEMIST_GRID_SCALES(IQ2_XS)
+ALCHEMIST_GRID_SCALES(IQ2_S)
+ALCHEMIST_GRID_SCALES(IQ3_XXS)
+ALCHEMIST_GRID_SCALES(IQ3_S)
+#undef ALCHEMIST_GRID_SCALES
 
 /* Batched products (T >= 8 for the K-quants, T >= 16 for the 32-blocks) as register-blocked panels: PR weight
    rows are unpacked once into int8 codes and integer scales, then swept over tiles of PT tokens with PR x PT
