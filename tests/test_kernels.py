@@ -50,6 +50,7 @@ SCALE_FIELDS = {
     "IQ2_S": (0,),
     "IQ3_XXS": (0,),
     "IQ3_S": (0,),
+    "IQ1_S": (0,),
 }
 # byte offsets of the E8M0 scale bytes (MXFP4, scale 2^(e - 128)): moderate exponents, or the extremes
 E8M0_FIELDS = {"MXFP4": (0,)}
@@ -72,6 +73,15 @@ def random_blocks(rng, ggml_type, n_out, n_in, scales=None):
     for off in E8M0_FIELDS.get(ggml_type, ()):
         pool = np.arange(118, 128, dtype=np.uint8) if scales is None else EXTREME_E8M0
         blocks[:, :, off] = rng.choice(pool, size=blocks.shape[:2])
+    if ggml_type == "IQ1_M":  # its fp16 d lives in the top nibbles of the 4 uint16 scales (bytes 49, 51, 53, 55)
+        if scales is None:
+            values = (rng.standard_normal(blocks.shape[:2]) * 0.05).astype(np.float16)
+        else:
+            values = rng.choice(scales, size=blocks.shape[:2]).astype(np.float16)
+        bits = values.view(np.uint16).astype(np.uint32)
+        for k in range(4):
+            nibble = ((bits >> (4 * k)) & 15).astype(np.uint8)
+            blocks[:, :, 49 + 2 * k] = (blocks[:, :, 49 + 2 * k] & 15) | (nibble << 4)
     return blocks.reshape(n_out, -1)
 
 

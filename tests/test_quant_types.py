@@ -1,4 +1,5 @@
-"""IQ4_NL, IQ4_XS, TQ2_0, TQ1_0 and the grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): the block formats against llama.cpp's own quantizer and dequantizer, and fixtures
+"""IQ4_NL, IQ4_XS, TQ2_0, TQ1_0 and the grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M): the
+block formats against llama.cpp's own quantizer and dequantizer, and fixtures
 llama.cpp quantized run through the kernels with numerics="ggml" give llama.cpp's logits bit for bit, prompt and
 decode.
 (The kernels against gguf-py and ggml_vec_dot, type by type, are in tests/test_kernels.py; the fixtures of the
@@ -14,10 +15,13 @@ from alchemist.kernels.formats import KVALUES_IQ4NL
 
 PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
 CONTEXT = 64
-GRID_QUANTS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
+GRID_QUANTS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 I_QUANTS = ("IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0", *GRID_QUANTS)
 # how much of a random matrix each keeps: ternary scaled by the block maximum about half, 2 bits a bit more
-SIGNAL = {"TQ2_0": 0.4, "TQ1_0": 0.4, "IQ2_XXS": 0.8, "IQ2_XS": 0.85, "IQ2_S": 0.85, "IQ3_XXS": 0.9, "IQ3_S": 0.9}
+SIGNAL = {
+    "TQ2_0": 0.4, "TQ1_0": 0.4, "IQ2_XXS": 0.8, "IQ2_XS": 0.85, "IQ2_S": 0.85, "IQ3_XXS": 0.9, "IQ3_S": 0.9,
+    "IQ1_S": 0.6, "IQ1_M": 0.6,
+}  # fmt: skip
 
 
 def test_the_grid_is_ggmls():

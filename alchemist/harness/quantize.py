@@ -171,7 +171,8 @@ def quantize_array(values: np.ndarray, ggml_type: str) -> np.ndarray:
     return out
 
 
-REQUIRES_IMATRIX = frozenset({"IQ2_XXS", "IQ2_XS", "IQ1_S"})  # ggml.c ggml_quantize_requires_imatrix
+# ggml.c ggml_quantize_requires_imatrix, and IQ1_M, whose quantizer asserts one too
+REQUIRES_IMATRIX = frozenset({"IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"})
 
 
 def write_quantized_fixture(dst: str | Path, arch: str, ggml_type: str) -> Path:
@@ -193,7 +194,7 @@ def write_quantized_fixture(dst: str | Path, arch: str, ggml_type: str) -> Path:
     return write_fixture(dst, arch, encode=encode)
 
 
-BLOCK_VALUES = {"IQ2_XXS": 256, "IQ2_XS": 256, "IQ2_S": 256, "IQ3_XXS": 256, "IQ3_S": 256}
+BLOCK_VALUES = {"IQ2_XXS": 256, "IQ2_XS": 256, "IQ2_S": 256, "IQ3_XXS": 256, "IQ3_S": 256, "IQ1_S": 256, "IQ1_M": 256}
 
 
 def dequantize_array(blocks: np.ndarray, ggml_type: str) -> np.ndarray:

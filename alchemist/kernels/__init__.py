@@ -6,7 +6,7 @@
 
 x: symbolic (T, n_in) float32. w_blocks: (n_out, row_bytes) uint8, the tensor's GGUF bytes one row per
 output (`raw.reshape(n_out, -1)`, see `as_blocks`); no repacking. Result: symbolic (T, n_out) float32.
-Types: SUPPORTED_TYPES = Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4 IQ4_NL IQ4_XS TQ2_0 TQ1_0 IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S. The Ops check at
+Types: SUPPORTED_TYPES = Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4 IQ4_NL IQ4_XS TQ2_0 TQ1_0 IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M. The Ops check at
 run time that
 the arrays have the (n_out, n_in) they were built for (on C these are run-time parameters, so one compiled
 module serves every shape of a type).

@@ -36,6 +36,8 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "IQ2_S": (256, 82),
     "IQ3_XXS": (256, 98),
     "IQ3_S": (256, 110),
+    "IQ1_S": (256, 50),
+    "IQ1_M": (256, 56),
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(BLOCK_SIZES)
@@ -241,14 +243,27 @@ def dequantize_blocks(xp, blocks, ggml_type: str):
     if ggml_type in GRID_MULT:
         # weight = d * MULT * (2 ls + 1) * sign * magnitude (the grid i-quants; alchemist.kernels.iq_grids)
         w, scales = _grid_codes(ops, b, ggml_type, lead)  # (..., 16, 16) signed magnitudes, (..., 16) scales
-        dl = ops.f16(b[..., 0:2])[..., None] * f32(scales) * np.float32(GRID_MULT[ggml_type])
+        if ggml_type == "IQ1_M":  # the fp16 d in the top nibbles of the 4 uint16 of scales
+            top = b[..., 49:56:2] // 16  # (..., 4)
+            d = ops.f16(ops.stack([top[..., 0] + 16 * top[..., 1], top[..., 2] + 16 * top[..., 3]], axis=-1))
+        else:
+            d = ops.f16(b[..., 0:2])
+        dl = d[..., None] * f32(scales) * np.float32(GRID_MULT[ggml_type])
         return flat(dl[..., None] * f32(w))
 
     raise NotImplementedError(ggml_type)
 
 
 # the grid i-quants' factor on d * (2 ls + 1) (ggml's dequantize_row_<type>: d * (0.5 + ls) * 0.25 is that times 0.125)
-GRID_MULT = {"IQ2_XXS": 0.125, "IQ2_XS": 0.125, "IQ2_S": 0.125, "IQ3_XXS": 0.25, "IQ3_S": 1.0}
+GRID_MULT = {
+    "IQ2_XXS": 0.125,
+    "IQ2_XS": 0.125,
+    "IQ2_S": 0.125,
+    "IQ3_XXS": 0.25,
+    "IQ3_S": 1.0,
+    "IQ1_S": 0.125,
+    "IQ1_M": 0.125,
+}
 
 
 def _field(v, shift: int, width: int):
@@ -295,6 +310,19 @@ def _grid_codes(ops, b, ggml_type: str, lead):
         w = signed(index, b[..., 34:66].reshape((*lead, 8, 4)), 8)
         sc = b[..., 74:82]
         scales = ops.stack([2 * (sc % 16) + 1, 2 * (sc // 16) + 1], axis=-1)
+    elif ggml_type == "IQ1_S":  # w = 8 g +- 1 (the delta's sign in bit 15 of the 32's uint16)
+        qh = b[..., 34:50:2] + 256 * b[..., 35:50:2]  # (..., 8)
+        index = b[..., 2:34].reshape((*lead, 8, 4)) + 256 * ops.stack([_field(qh, 3 * j, 3) for j in range(4)], axis=-1)
+        delta = 1 - 2 * _field(qh, 15, 1)  # (..., 8)
+        w = 8 * ops.lookup(table, index) + delta[..., None, None]
+        ls = _field(qh, 12, 3)
+        scales = ops.stack([2 * ls + 1, 2 * ls + 1], axis=-1)
+    elif ggml_type == "IQ1_M":  # per 8 weights 3 index bits and the delta's sign in a nibble; 3-bit ls per 16
+        nib = ops.stack([b[..., 32:48] % 16, b[..., 32:48] // 16], axis=-1).reshape((*lead, 8, 4))
+        index = b[..., 0:32].reshape((*lead, 8, 4)) + 256 * (nib % 8)
+        w = 8 * ops.lookup(table, index) + (1 - 2 * (nib // 8))[..., None]
+        sc = b[..., 48:56:2] + 256 * b[..., 49:56:2]  # (..., 4) uint16
+        scales = 2 * ops.stack([_field(sc, 3 * j, 3) for j in range(4)], axis=-1) + 1
     else:  # IQ3_S
         qh = b[..., 66:74][..., None]  # (..., 8, 1): the top bit of each of a 32's 8 entries
         index = b[..., 2:66].reshape((*lead, 8, 8)) + 256 * ops.concat([_field(qh, j, 1) for j in range(8)], axis=-1)

@@ -31,11 +31,11 @@ K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q2_K, K_Q3_K, K_Q4_K, K_Q5_K, K_Q6_K, 
     KINDS[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 K_IQ4_NL, K_IQ4_XS, K_TQ2_0, K_TQ1_0 = KINDS["IQ4_NL"], KINDS["IQ4_XS"], KINDS["TQ2_0"], KINDS["TQ1_0"]
-K_IQ2_XXS, K_IQ2_XS, K_IQ2_S, K_IQ3_XXS, K_IQ3_S = (KINDS[t] for t in iq_grids.GRID_TYPES)
+K_IQ2_XXS, K_IQ2_XS, K_IQ2_S, K_IQ3_XXS, K_IQ3_S, K_IQ1_S, K_IQ1_M = (KINDS[t] for t in iq_grids.GRID_TYPES)
 _TQ1_0_DIGITS = formats.TQ1_0_DIGITS
 # the grid i-quants' tables (alchemist.kernels.iq_grids): magnitudes per grid row, KSIGNS' sign bytes
-_IQ2_XXS_GRID, _IQ2_XS_GRID, _IQ2_S_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID = (
-    iq_grids.grid(t).astype(np.float32) for t in iq_grids.GRID_TYPES
+_IQ2_XXS_GRID, _IQ2_XS_GRID, _IQ2_S_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID, _IQ1_S_GRID = (
+    iq_grids.grid(t).astype(np.float32) for t in iq_grids.GRIDS
 )
 _KSIGNS = iq_grids.KSIGNS.astype(np.int64)
 
@@ -297,6 +297,9 @@ def _put_group(y, o, row, bits, n, dl):
 def _dq_grid(kind, r, nb, y, n16):
     """The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): d * MULT * (2 ls + 1) * sign * magnitude, the
     factor d * (2 ls + 1) * MULT computed first as gguf-py and ggml do (alchemist.kernels.formats)."""
+    if kind == K_IQ1_S or kind == K_IQ1_M:
+        _dq_iq1(kind, r, nb, y)
+        return
     bs = (
         66
         if kind == K_IQ2_XXS
@@ -339,6 +342,39 @@ def _dq_grid(kind, r, nb, y, n16):
                     index = np.int64(r[p + 2 + 8 * s + j]) | ((np.int64(r[p + 66 + s]) << (8 - j)) & 256)
                     bits = np.int64(r[p + 74 + 4 * s + j // 2]) >> (4 * (j & 1))
                     _put_group(y, o + 32 * s + 4 * j, _IQ3_S_GRID[index], bits, 4, dl)
+
+
+@_jit_inline
+def _dq_iq1(kind, r, nb, y):
+    """IQ1_S / IQ1_M: d * (2 ls + 1) * 0.125 * (8 g +- 1), g from the grid of -1, 0, 1 (alchemist.kernels.formats)."""
+    bs = 50 if kind == K_IQ1_S else 56
+    for b in range(nb):
+        p, o = bs * b, 256 * b
+        if kind == K_IQ1_S:
+            d = _f16(r[p], r[p + 1])
+        else:
+            h = (np.int64(r[p + 49]) >> 4) | (np.int64(r[p + 51]) & 0xF0)
+            h |= ((np.int64(r[p + 53]) >> 4) << 8) | ((np.int64(r[p + 55]) & 0xF0) << 8)
+            d = _f16(h & 0xFF, h >> 8)
+        for s in range(8):
+            for l in range(4):
+                if kind == K_IQ1_S:
+                    h = np.int64(r[p + 34 + 2 * s]) | (np.int64(r[p + 35 + 2 * s]) << 8)
+                    index = np.int64(r[p + 2 + 4 * s + l]) | (((h >> (3 * l)) & 7) << 8)
+                    delta = -1 if h & 0x8000 else 1
+                    ls = (h >> 12) & 7
+                else:
+                    nib = (np.int64(r[p + 32 + 2 * s + l // 2]) >> (4 * (l & 1))) & 15
+                    index = np.int64(r[p + 4 * s + l]) | ((nib & 7) << 8)
+                    delta = -1 if nib & 8 else 1
+                    v = (np.int64(r[p + 48 + 2 * (s // 2)]) | (np.int64(r[p + 49 + 2 * (s // 2)]) << 8)) >> (
+                        6 * (s & 1)
+                    )
+                    ls = (v >> (3 * (l // 2))) & 7
+                dl = d * np.float32(2 * ls + 1) * np.float32(0.125)
+                row = _IQ1_S_GRID[index]
+                for j in range(8):
+                    y[o + 32 * s + 8 * l + j] = dl * (np.float32(8) * row[j] + np.float32(delta))
 
 
 @numba.njit(cache=True, fastmath={"reassoc"})
@@ -780,6 +816,16 @@ def qmatmul_iq3_s(x, w):
     return _qmatmul_grid(x, w, K_IQ3_S)
 
 
+@_jit
+def qmatmul_iq1_s(x, w):
+    return _qmatmul_grid(x, w, K_IQ1_S)
+
+
+@_jit
+def qmatmul_iq1_m(x, w):
+    return _qmatmul_grid(x, w, K_IQ1_M)
+
+
 DRIVERS = {
     "Q4_0": qmatmul_q4_0,
     "Q4_1": qmatmul_q4_1,
@@ -801,6 +847,8 @@ DRIVERS = {
     "IQ2_S": qmatmul_iq2_s,
     "IQ3_XXS": qmatmul_iq3_xxs,
     "IQ3_S": qmatmul_iq3_s,
+    "IQ1_S": qmatmul_iq1_s,
+    "IQ1_M": qmatmul_iq1_m,
 }
 
 
@@ -829,7 +877,7 @@ def dq_row(kind, row, n_in, out, n16):
         _dq_tq2_0(kind, row, n_in // 256, out, n16)
     elif kind == K_TQ1_0:
         _dq_tq1_0(kind, row, n_in // 256, out, n16)
-    elif kind == K_IQ2_XXS or kind == K_IQ2_XS or kind == K_IQ2_S or kind == K_IQ3_XXS or kind == K_IQ3_S:
+    elif kind >= K_IQ2_XXS:  # the grid i-quants (alchemist.kernels.iq_grids.GRID_TYPES), the last kinds
         _dq_grid(kind, row, n_in // 256, out, n16)
     else:
         _dq_q6_k(kind, row, n_in // 256, out, n16)

@@ -11,7 +11,7 @@
     quantize_row_q8_0) for Q4_0, Q5_0, Q8_0, MXFP4 and IQ4_NL; Q8_1 (the same values plus block sums) for Q4_1, Q5_1;
   - Q8_K (blocks of 256, float32 scale: quantize_row_q8_K_ref, iscale = -127/max where max is the element of
     largest magnitude) for the K-quants, IQ4_XS, TQ2_0, TQ1_0 and the grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S,
-    IQ3_XXS, IQ3_S);
+    IQ3_XXS, IQ3_S, IQ1_S, IQ1_M);
   - fp16 for F16 weights.
   Its GELU reads an fp16 lookup table (GGML_GELU_FP16, ggml-cpu/vec.h): gelu(x) = table[fp16(x)] for
   -10 < x < 10. Its SiLU is x / (1 + ggml_v_expf(-x)) in vectors of 8 (alchemist.kernels.silu). Its RMS norm sums the squares in double, in order (ggml_compute_forward_rms_norm_f32).

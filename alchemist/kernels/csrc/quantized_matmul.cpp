@@ -481,7 +481,7 @@ template <class Q>
 static inline const int8_t *grid_unpack(const uint8_t *b, int8_t *q, float *dl) {
     int16_t sc[16];
     Q::codes(b, q, sc);
-    const float d = f16(b);
+    const float d = Q::scale_d(b);
     for (int g = 0; g < 16; ++g) dl[g] = d * (float)sc[g] * Q::mult();
     return q;
 }
@@ -496,6 +496,7 @@ static inline void signed_group(const uint8_t *row, unsigned bits, int n, int8_t
 struct IQ2_XXS {
     enum { QK = 256, BS = 66, SUB = 16, NSUB = 16, HAS_MIN = 0 };
     static inline float mult() { return 0.125f; }
+    static inline float scale_d(const uint8_t *b) { return f16(b); }
     static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
         for (int s = 0; s < 8; ++s) {
             const uint8_t *p = b + 2 + 8 * s;
@@ -517,6 +518,7 @@ struct IQ2_XXS {
 struct IQ2_XS {
     enum { QK = 256, BS = 74, SUB = 16, NSUB = 16, HAS_MIN = 0 };
     static inline float mult() { return 0.125f; }
+    static inline float scale_d(const uint8_t *b) { return f16(b); }
     static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
         for (int k = 0; k < 32; ++k) {
             const unsigned q = (unsigned)(b[2 + 2 * k] | (b[3 + 2 * k] << 8));
@@ -537,6 +539,7 @@ struct IQ2_XS {
 struct IQ2_S {
     enum { QK = 256, BS = 82, SUB = 16, NSUB = 16, HAS_MIN = 0 };
     static inline float mult() { return 0.125f; }
+    static inline float scale_d(const uint8_t *b) { return f16(b); }
     static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
         for (int s = 0; s < 8; ++s) {
             for (int j = 0; j < 4; ++j) {
@@ -557,6 +560,7 @@ struct IQ2_S {
 struct IQ3_XXS {
     enum { QK = 256, BS = 98, SUB = 16, NSUB = 16, HAS_MIN = 0 };
     static inline float mult() { return 0.25f; }
+    static inline float scale_d(const uint8_t *b) { return f16(b); }
     static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
         for (int s = 0; s < 8; ++s) {
             uint32_t aux;
@@ -579,6 +583,7 @@ struct IQ3_XXS {
 struct IQ3_S {
     enum { QK = 256, BS = 110, SUB = 16, NSUB = 16, HAS_MIN = 0 };
     static inline float mult() { return 1.0f; }
+    static inline float scale_d(const uint8_t *b) { return f16(b); }
     static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
         for (int s = 0; s < 8; ++s) {
             for (int j = 0; j < 8; ++j) {
@@ -592,6 +597,58 @@ struct IQ3_S {
     }
     static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
         return grid_unpack<IQ3_S>(b, q, dl);
+    }
+};
+
+/* IQ1_S and IQ1_M: groups of 8 weights from a grid of -1, 0, 1, each group shifted by +-1/8 (delta): weight =
+   d * (2 ls + 1) * (g +- 1/8), written w = 8 g +- 1 with MULT 1/8 (as ggml's tiled matmul holds them).
+   IQ1_S: fp16 d, 32 low bytes of 11-bit grid indices, per 32 weights a uint16 (3 index bits per group, ls in
+   bits 12..14, the delta's sign in bit 15). IQ1_M: 32 low index bytes, per 16 weights a byte (3 index bits and
+   the delta's sign per group of 8), 4 uint16 of 3-bit ls per 16 whose top nibbles hold the fp16 d. */
+static inline void iq1_group(unsigned index, int negative, int8_t *w) {
+    const int8_t *row = alchemist_iq::iq1_s_grid[index];
+    for (int j = 0; j < 8; ++j) w[j] = (int8_t)(8 * row[j] + (negative ? -1 : 1));
+}
+
+struct IQ1_S {
+    enum { QK = 256, BS = 50, SUB = 16, NSUB = 16, HAS_MIN = 0 };
+    static inline float mult() { return 0.125f; }
+    static inline float scale_d(const uint8_t *b) { return f16(b); }
+    static inline unsigned qh(const uint8_t *b, int s) { return (unsigned)(b[34 + 2 * s] | (b[35 + 2 * s] << 8)); }
+    static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
+        for (int s = 0; s < 8; ++s) {
+            const unsigned h = qh(b, s);
+            for (int l = 0; l < 4; ++l) iq1_group(b[2 + 4 * s + l] | (((h >> (3 * l)) & 7) << 8), h & 0x8000, w + 32 * s + 8 * l);
+            sc[2 * s] = sc[2 * s + 1] = (int16_t)(2 * ((h >> 12) & 7) + 1);
+        }
+    }
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        return grid_unpack<IQ1_S>(b, q, dl);
+    }
+};
+
+struct IQ1_M {
+    enum { QK = 256, BS = 56, SUB = 16, NSUB = 16, HAS_MIN = 0 };
+    static inline float mult() { return 0.125f; }
+    static inline unsigned sc16(const uint8_t *b, int k) { return (unsigned)(b[48 + 2 * k] | (b[49 + 2 * k] << 8)); }
+    static inline float scale_d(const uint8_t *b) {
+        const unsigned h = (sc16(b, 0) >> 12) | ((sc16(b, 1) >> 8) & 0x00f0) | ((sc16(b, 2) >> 4) & 0x0f00) | (sc16(b, 3) & 0xf000);
+        const uint8_t bytes[2] = {(uint8_t)(h & 0xff), (uint8_t)(h >> 8)};
+        return f16(bytes);
+    }
+    static inline void codes(const uint8_t *b, int8_t *w, int16_t *sc) {
+        for (int s = 0; s < 8; ++s) {
+            for (int l = 0; l < 4; ++l) {
+                const unsigned h = b[32 + 2 * s + l / 2] >> (4 * (l & 1));
+                iq1_group(b[4 * s + l] | ((h & 7) << 8), h & 8, w + 32 * s + 8 * l);
+            }
+            const unsigned v = sc16(b, s / 2) >> (6 * (s & 1));
+            sc[2 * s] = (int16_t)(2 * (v & 7) + 1);
+            sc[2 * s + 1] = (int16_t)(2 * ((v >> 3) & 7) + 1);
+        }
+    }
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        return grid_unpack<IQ1_M>(b, q, dl);
     }
 };
 
@@ -1384,7 +1441,7 @@ static inline float grid_dot(const uint8_t *x, idx_t nb, const int8_t *yq, const
             const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[2 * v + 1]), _mm_set1_epi16(sc[2 * v]));
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(dot, scales));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b) * yd[i]), _mm256_cvtepi32_ps(sumi), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(Q::scale_d(b) * yd[i]), _mm256_cvtepi32_ps(sumi), acc);
     }
     return Q::mult() * acc8_total(acc);
 }
@@ -1403,6 +1460,77 @@ ALCHEMIST_GRID_DOT(IQ2_S)
 ALCHEMIST_GRID_DOT(IQ3_XXS)
 ALCHEMIST_GRID_DOT(IQ3_S)
 #undef ALCHEMIST_GRID_DOT
+
+/* ggml_vec_dot_iq1_s_q8_K / iq1_m_q8_K: the grid values (g = (w + 4) >> 3 of w = 8 g +- 1) and the deltas apart.
+   IQ1_S: the grid's 8 lanes as the others (scale per 32), acc = fma(d * dy, lanes, acc), and the deltas as one
+   integer per block, sum over 32s of (bsums of the 32) * sign * scale, into a scalar acc1 += (d * dy) * that;
+   the row is the 8-lane sum + acc1 / 8. IQ1_M: the deltas in lanes too (maddubs of 1 with the activations signed
+   by the delta, times the scale of their 16), a second 8-lane acc; the row is sum(acc) + sum(acc2) / 8. */
+template <>
+struct GgmlDot<IQ1_S> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *ybs) {
+        alignas(32) int8_t w[256];
+        int16_t sc[16];
+        __m256 acc = _mm256_setzero_ps();
+        float acc1 = 0.0f;
+        for (idx_t i = 0; i < nb; ++i) {
+            const uint8_t *b = x + i * IQ1_S::BS;
+            IQ1_S::codes(b, w, sc);
+            __m256i sumi = _mm256_setzero_si256();
+            int sumi1 = 0;
+            for (int v = 0; v < 8; ++v) {
+                const __m256i wv = _mm256_load_si256((const __m256i *)(w + 32 * v));
+                const __m256i g = _mm256_srai_epi16(_mm256_add_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv)), _mm256_set1_epi16(4)), 3);
+                const __m256i g2 = _mm256_srai_epi16(_mm256_add_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1)), _mm256_set1_epi16(4)), 3);
+                const __m256i gv = _mm256_permute4x64_epi64(_mm256_packs_epi16(g, g2), 0xd8);
+                const __m256i y = _mm256_loadu_si256((const __m256i *)(yq + 256 * i + 32 * v));
+                const __m256i dot = _mm256_maddubs_epi16(_mm256_sign_epi8(gv, gv), _mm256_sign_epi8(y, gv));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(dot, _mm256_set1_epi16(sc[2 * v])));
+                const int sign = (IQ1_S::qh(b, v) & 0x8000) ? -1 : 1;
+                sumi1 += (ybs[16 * i + 2 * v] + ybs[16 * i + 2 * v + 1]) * sign * sc[2 * v];
+            }
+            const float d = yd[i] * IQ1_S::scale_d(b);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            acc1 = __builtin_fmaf(d, (float)sumi1, acc1);
+        }
+        return acc8_total(acc) + 0.125f * acc1;
+    }
+};
+
+template <>
+struct GgmlDot<IQ1_M> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *) {
+        alignas(32) int8_t w[256];
+        int16_t sc[16];
+        __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+        const __m256i ones = _mm256_set1_epi8(1);
+        for (idx_t i = 0; i < nb; ++i) {
+            const uint8_t *b = x + i * IQ1_M::BS;
+            IQ1_M::codes(b, w, sc);
+            __m256i sumi1 = _mm256_setzero_si256(), sumi2 = _mm256_setzero_si256();
+            for (int v = 0; v < 8; ++v) {
+                const __m256i wv = _mm256_load_si256((const __m256i *)(w + 32 * v));
+                const __m256i g = _mm256_srai_epi16(_mm256_add_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv)), _mm256_set1_epi16(4)), 3);
+                const __m256i g2 = _mm256_srai_epi16(_mm256_add_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1)), _mm256_set1_epi16(4)), 3);
+                const __m256i gv = _mm256_permute4x64_epi64(_mm256_packs_epi16(g, g2), 0xd8);
+                const __m256i g8 = _mm256_add_epi8(gv, gv), g8b = _mm256_add_epi8(g8, g8);
+                const __m256i delta = _mm256_sub_epi8(wv, _mm256_add_epi8(g8b, g8b)); /* w - 8 g, byte by byte */
+                const __m256i y = _mm256_loadu_si256((const __m256i *)(yq + 256 * i + 32 * v));
+                const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[2 * v + 1]), _mm_set1_epi16(sc[2 * v]));
+                const __m256i dot1 = _mm256_maddubs_epi16(_mm256_sign_epi8(gv, gv), _mm256_sign_epi8(y, gv));
+                const __m256i dot2 = _mm256_maddubs_epi16(ones, _mm256_sign_epi8(y, delta));
+                sumi1 = _mm256_add_epi32(sumi1, _mm256_madd_epi16(dot1, scales));
+                sumi2 = _mm256_add_epi32(sumi2, _mm256_madd_epi16(dot2, scales));
+            }
+            const __m256 d = _mm256_set1_ps(yd[i] * IQ1_M::scale_d(b));
+            acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi1), acc1);
+            acc2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi2), acc2);
+        }
+        return acc8_total(acc1) + 0.125f * acc8_total(acc2);
+    }
+};
 
 template <>
 struct GgmlDot<TQ2_0> {
@@ -1504,7 +1632,7 @@ static inline void grid_int_scales(const uint8_t *b, int32_t *sc, int32_t *mn, f
     Q::codes(b, w, sc16);
     for (int g = 0; g < 16; ++g) sc[g] = sc16[g];
     for (int s = 0; s < 8; ++s) mn[s] = 0;
-    *d = f16(b) * Q::mult();
+    *d = Q::scale_d(b) * Q::mult();
     *dmin = 0.0f;
 }
 #define ALCHEMIST_GRID_SCALES(Q)                                                                  \
@@ -1517,6 +1645,8 @@ ALCHEMIST_GRID_SCALES(IQ2_XS)
 ALCHEMIST_GRID_SCALES(IQ2_S)
 ALCHEMIST_GRID_SCALES(IQ3_XXS)
 ALCHEMIST_GRID_SCALES(IQ3_S)
+ALCHEMIST_GRID_SCALES(IQ1_S)
+ALCHEMIST_GRID_SCALES(IQ1_M)
 #undef ALCHEMIST_GRID_SCALES
 
 /* Batched products (T >= 8 for the K-quants, T >= 16 for the 32-blocks) as register-blocked panels: PR weight
