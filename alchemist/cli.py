@@ -36,19 +36,9 @@ def _cmd_inspect(args) -> int:
 
 
 def _kernel_line(ir) -> list[str]:
-    """Which of the file's quantized types alchemist's kernels multiply in their blocks, which are dequantized."""
-    from alchemist.kernels import SUPPORTED_TYPES
-
+    """The file's quantized types, which alchemist's kernels multiply in their blocks (build_ir refuses any other)."""
     quantized = sorted({t.ggml_type for t in ir.tensors if t.quantized and t.ggml_type not in ("F16", "BF16")})
-    if not quantized:
-        return []
-    kept = [t for t in quantized if t in SUPPORTED_TYPES]
-    other = [t for t in quantized if t not in SUPPORTED_TYPES]
-    return [
-        "kernels       "
-        + (f"{', '.join(kept)} multiplied in their GGUF blocks" if kept else "none")
-        + (f"; {', '.join(other)} dequantized to float32 on load" if other else "")
-    ]
+    return [f"kernels       {', '.join(quantized)} multiplied in their GGUF blocks"] if quantized else []
 
 
 def describe_components(ir) -> list[str]:

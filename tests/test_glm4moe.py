@@ -91,7 +91,7 @@ def test_inspect_describes_each_ffn_kind_and_the_kernels(loaded):
     tensors[1] = dataclasses.replace(tensors[1], ggml_type="IQ4_XS")
     tensors[2] = dataclasses.replace(tensors[2], ggml_type="NVFP4")
     line = _kernel_line(dataclasses.replace(loaded.ir, tensors=tuple(tensors)))
-    assert line == ["kernels       IQ4_XS multiplied in their GGUF blocks; NVFP4 dequantized to float32 on load"]
+    assert line == ["kernels       IQ4_XS, NVFP4 multiplied in their GGUF blocks"]
 
 
 def test_more_prediction_layers_than_blocks_is_refused_by_name(tmp_path):

@@ -490,11 +490,12 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
         "IQ4_XS",
         "TQ2_0",
         "TQ1_0",
+        "NVFP4",
         *GRID_TYPES,
     ):  # the same float operations in the same order
         assert np.array_equal(got_c, want)
     if ggml_type in (
-        "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "TQ2_0", "TQ1_0",
+        "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "TQ2_0", "TQ1_0", "NVFP4",
         *GRID_TYPES,
     ):  # fmt: skip
         assert np.array_equal(np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x[:1], raw)), want[:1])  # decode

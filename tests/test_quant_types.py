@@ -16,7 +16,9 @@ from alchemist.kernels.formats import KVALUES_IQ4NL
 PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
 CONTEXT = 64
 GRID_QUANTS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
-I_QUANTS = ("IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0", *GRID_QUANTS)
+I_QUANTS = ("IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0", "NVFP4", *GRID_QUANTS)
+# the types whose fixtures llama.cpp quantizes tensor by tensor (llama_model_quantize will not write them here)
+TENSOR_BY_TENSOR = (*GRID_QUANTS, "NVFP4")
 # how much of a random matrix each keeps: ternary scaled by the block maximum about half, 2 bits a bit more
 SIGNAL = {
     "TQ2_0": 0.4, "TQ1_0": 0.4, "IQ2_XXS": 0.8, "IQ2_XS": 0.85, "IQ2_S": 0.85, "IQ3_XXS": 0.9, "IQ3_S": 0.9,
@@ -48,7 +50,7 @@ def test_dequantization_is_llamacpps(ggml_type):
 
 # Numba calls the C kernels (tests/test_kernels.py checks its products equal C's for every type): one type on Numba
 @pytest.mark.parametrize(
-    "ggml_type, backend", [(t, "c") for t in I_QUANTS if t not in GRID_QUANTS] + [("IQ4_NL", "numba")], ids=str
+    "ggml_type, backend", [(t, "c") for t in I_QUANTS if t not in TENSOR_BY_TENSOR] + [("IQ4_NL", "numba")], ids=str
 )
 def test_fixture_logits_are_llamacpps_to_the_bit(prompt_and_decode_are_llamacpps, fixture_files, ggml_type, backend):
     """qwen2 quantized by llama.cpp (its mixture: the type in the projections, Q6_K output), kernels and
@@ -71,12 +73,12 @@ def test_the_grid_header_is_gguf_pys_grids():
     assert HEADER.read_text(encoding="utf-8") == header_text()
 
 
-@pytest.mark.parametrize("ggml_type", GRID_QUANTS)
-def test_grid_iquant_fixture_logits_are_llamacpps_to_the_bit(prompt_and_decode_are_llamacpps, tmp_path, ggml_type):
+@pytest.mark.parametrize("ggml_type", TENSOR_BY_TENSOR)
+def test_tensor_by_tensor_fixture_logits_are_llamacpps_to_the_bit(prompt_and_decode_are_llamacpps, tmp_path, ggml_type):
     """qwen2 with its 2-D weights quantized by llama.cpp's quantizer tensor by tensor (llama_model_quantize wants an
-    importance matrix llama-cpp-python cannot hand it; a uniform one here), kernels and numerics="ggml": the prompt
-    and three decode steps (vec_dot_<type>_q8_K at every batch size, as llama.cpp) are llama.cpp's logits bit for bit.
-    """
+    importance matrix llama-cpp-python cannot hand it, a uniform one here; or refuses the type, NVFP4), kernels and
+    numerics="ggml": the prompt and three decode steps (vec_dot_<type>_q8_K, vec_dot_nvfp4_q8_0, at every batch size,
+    as llama.cpp) are llama.cpp's logits bit for bit."""
     pytest.importorskip("llama_cpp")
     from alchemist.harness.quantize import write_quantized_fixture
     from alchemist.harness.validate import load_for_validation
@@ -85,3 +87,23 @@ def test_grid_iquant_fixture_logits_are_llamacpps_to_the_bit(prompt_and_decode_a
     loaded = load_for_validation(path, numerics="ggml")
     assert {loaded.module.TENSORS[n][0] for n in loaded.module.KERNEL_WEIGHTS} >= {ggml_type}
     prompt_and_decode_are_llamacpps(loaded.engine("c", CONTEXT, True), path, PROMPT, CONTEXT)
+
+
+def test_a_type_without_kernel_or_dequantizer_is_refused_by_name(tmp_path):
+    """Q1_0 (ggml's 1-bit type: gguf-py writes its blocks but cannot dequantize them) in one weight: a clear
+    refusal naming the file, the tensor and the type, before anything is loaded."""
+    from gguf import GGMLQuantizationType
+
+    from alchemist.arch import build_model_ir
+    from alchemist.errors import UnsupportedModelError
+    from alchemist.fixtures import write_fixture
+    from alchemist.gguf_io import read_gguf
+
+    def encode(name, role, values):  # 128 weights per block: an fp16 d, then 16 bytes of signs
+        if name != "blk.0.attn_q.weight":
+            return None
+        return np.zeros((values.shape[0], values.shape[1] // 128 * 18), np.uint8), GGMLQuantizationType.Q1_0
+
+    path = write_fixture(tmp_path / "q1.gguf", "qwen2", encode=encode)
+    with pytest.raises(UnsupportedModelError, match=r"q1\.gguf: tensor 'blk\.0\.attn_q\.weight' is Q1_0"):
+        build_model_ir(read_gguf(path))

@@ -40,6 +40,8 @@ from alchemist.ir import (
 )
 from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
 
+FLOAT_TYPES = ("F32", "F16", "BF16")  # weights loaded as float32 (every quantized one is a kernel type)
+
 EPS_KEYS = {NormKind.RMS: "attention.layer_norm_rms_epsilon", NormKind.LAYER: "attention.layer_norm_epsilon"}
 
 
@@ -275,6 +277,11 @@ def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int,
             f"tensor {name!r} shape",
             f"expected {list(expected)} (numpy order, {' x '.join(spec.shape)}) from the hyperparameters, "
             f"found {list(info.shape)}",
+        )
+    if info.ggml_type not in KERNEL_TYPES and info.ggml_type not in FLOAT_TYPES:
+        raise UnsupportedModelError(
+            f"{facts.path}: tensor {name!r} is {info.ggml_type}, a type alchemist can neither multiply in its blocks "
+            f"nor dequantize (weights: {', '.join(FLOAT_TYPES + KERNEL_TYPES)})"
         )
     kernel = info.ggml_type in KERNEL_TYPES and (
         spec.role in ("linear", "embedding") and len(info.shape) == 2 or spec.role == "experts" and len(info.shape) == 3

@@ -176,15 +176,17 @@ REQUIRES_IMATRIX = frozenset({"IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"})
 
 
 def write_quantized_fixture(dst: str | Path, arch: str, ggml_type: str) -> Path:
-    """A random-weight fixture of `arch` whose 2-D weights with rows of whole 256-blocks are quantized to
+    """A random-weight fixture of `arch` whose 2-D weights with rows of whole blocks of the type are quantized to
     `ggml_type` tensor by tensor by llama.cpp's quantizer (ggml_quantize_chunk; a uniform importance matrix where
-    ggml needs one), the rest F32. For the types llama_model_quantize will not write without an importance
-    matrix (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS), which llama-cpp-python cannot hand it."""
+    ggml needs one), the rest F32. For the types llama_model_quantize will not write: without an importance
+    matrix (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS), which llama-cpp-python cannot hand it, or at all (NVFP4, whose
+    ftype this build refuses as an output type)."""
     from gguf import GGMLQuantizationType
 
     from alchemist.fixtures import write_fixture
+    from alchemist.kernels.formats import block_size
 
-    qk = BLOCK_VALUES[ggml_type]
+    qk = block_size(ggml_type)[0]
 
     def encode(name, role, values):
         if role not in ("linear", "embedding") or values.ndim != 2 or values.shape[-1] % qk:
@@ -192,9 +194,6 @@ def write_quantized_fixture(dst: str | Path, arch: str, ggml_type: str) -> Path:
         return quantize_array(values, ggml_type), GGMLQuantizationType[ggml_type]
 
     return write_fixture(dst, arch, encode=encode)
-
-
-BLOCK_VALUES = {"IQ2_XXS": 256, "IQ2_XS": 256, "IQ2_S": 256, "IQ3_XXS": 256, "IQ3_S": 256, "IQ1_S": 256, "IQ1_M": 256}
 
 
 def dequantize_array(blocks: np.ndarray, ggml_type: str) -> np.ndarray:

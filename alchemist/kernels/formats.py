@@ -38,6 +38,7 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "IQ3_S": (256, 110),
     "IQ1_S": (256, 50),
     "IQ1_M": (256, 56),
+    "NVFP4": (64, 36),
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(BLOCK_SIZES)
@@ -54,6 +55,17 @@ _E8M0 = np.arange(256, dtype=np.uint32)
 E8M0_HALF_TABLE = (
     np.where(_E8M0 < 2, np.uint32(0x00200000) << _E8M0, (_E8M0 - 1) << 23).astype(np.uint32).view(np.float32)
 )
+
+
+# NVFP4: 64 weights as 4 sub-blocks of 16, each an unsigned E4M3 scale byte (bias 7, halved to go with the doubled
+# E2M1 codes of KVALUES_MXFP4; 0 and 0x7F, its NaN, decode to 0) over 16 four-bit codes: ggml-impl.h
+# ggml_ue4m3_to_fp32, exact in float32. A weight is KVALUES_MXFP4[q] * UE4M3_HALF_TABLE[d].
+_UE4M3_EXP, _UE4M3_MAN = (np.arange(256) >> 3) & 15, (np.arange(256) & 7).astype(np.float64)
+UE4M3_HALF_TABLE = np.where(
+    (np.arange(256) == 0) | (np.arange(256) == 0x7F),
+    0.0,
+    np.where(_UE4M3_EXP == 0, _UE4M3_MAN * 2.0**-9, (1 + _UE4M3_MAN / 8) * 2.0 ** (_UE4M3_EXP - 7.0)) * 0.5,
+).astype(np.float32)
 
 
 # IQ4_NL / IQ4_XS: each 4-bit code indexes a non-linear grid of int8 values (ggml-common.h kvalues_iq4nl); a
@@ -205,6 +217,12 @@ def dequantize_blocks(xp, blocks, ggml_type: str):
         d = ops.lookup(E8M0_HALF_TABLE, b[..., 0])[..., None]
         qs = b[..., 1:17]
         q = ops.concat([qs % 16, qs // 16])  # like Q4_0: element j < 16 is the low nibble of byte j
+        return flat(d * f32(ops.lookup(KVALUES_MXFP4, q)))
+
+    if ggml_type == "NVFP4":
+        d = ops.lookup(UE4M3_HALF_TABLE, b[..., 0:4])[..., None]  # (..., 4, 1): one scale per 16
+        qs = b[..., 4:36].reshape((*lead, 4, 8))
+        q = ops.concat([qs % 16, qs // 16])  # per 16: element j < 8 is the low nibble of byte j
         return flat(d * f32(ops.lookup(KVALUES_MXFP4, q)))
 
     if ggml_type == "IQ4_NL":

@@ -32,6 +32,7 @@ K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q2_K, K_Q3_K, K_Q4_K, K_Q5_K, K_Q6_K, 
 )
 K_IQ4_NL, K_IQ4_XS, K_TQ2_0, K_TQ1_0 = KINDS["IQ4_NL"], KINDS["IQ4_XS"], KINDS["TQ2_0"], KINDS["TQ1_0"]
 K_IQ2_XXS, K_IQ2_XS, K_IQ2_S, K_IQ3_XXS, K_IQ3_S, K_IQ1_S, K_IQ1_M = (KINDS[t] for t in iq_grids.GRID_TYPES)
+K_NVFP4 = KINDS["NVFP4"]
 _TQ1_0_DIGITS = formats.TQ1_0_DIGITS
 # the grid i-quants' tables (alchemist.kernels.iq_grids): magnitudes per grid row, KSIGNS' sign bytes
 _IQ2_XXS_GRID, _IQ2_XS_GRID, _IQ2_S_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID, _IQ1_S_GRID = (
@@ -49,6 +50,7 @@ _F16 = formats.F16_TABLE  # 256 KB, embedded as a constant (a table lookup is ~3
 _E8M0_HALF = formats.E8M0_HALF_TABLE  # MXFP4 block scale byte -> 2^(e - 128), exact
 _KVALUES_MXFP4 = formats.KVALUES_MXFP4.astype(np.float32)  # MXFP4 4-bit code -> doubled E2M1 value
 _KVALUES_IQ4NL = formats.KVALUES_IQ4NL.astype(np.float32)  # IQ4_NL / IQ4_XS 4-bit code -> grid value
+_UE4M3_HALF = formats.UE4M3_HALF_TABLE  # NVFP4 sub-block scale byte -> its E4M3 value halved, exact
 
 
 @_jit_inline
@@ -229,6 +231,18 @@ def _dq_mxfp4(kind, r, nb, y, n16):
             v = np.int64(r[p + 1 + j])
             y[o + j] = _KVALUES_MXFP4[v & 0xF] * d
             y[o + j + 16] = _KVALUES_MXFP4[v >> 4] * d
+
+
+@_jit_inline
+def _dq_nvfp4(kind, r, nb, y, n16):
+    for b in range(nb):
+        p, o = 36 * b, 64 * b
+        for s in range(4):
+            d = _UE4M3_HALF[r[p + s]]
+            for j in range(n16 // 2):
+                v = np.int64(r[p + 4 + 8 * s + j])
+                y[o + 16 * s + j] = _KVALUES_MXFP4[v & 0xF] * d
+                y[o + 16 * s + j + 8] = _KVALUES_MXFP4[v >> 4] * d
 
 
 @_jit_inline
@@ -767,8 +781,8 @@ def qmatmul_tq1_0(x, w):
 
 
 @numba.njit(cache=True, parallel=True, fastmath=False)
-def _qmatmul_grid(x, w, kind):
-    """The grid i-quants' driver (one for the five: the row dequantizer dispatches on `kind`)."""
+def _qmatmul_rows(x, w, kind):
+    """The driver of the grid i-quants and NVFP4 (one for all: dq_row dispatches on `kind`, once per row)."""
     n_tokens, n_in = x.shape
     n_out, n16 = w.shape[0], 16 + (n_in >> 62)
     y = np.empty((n_tokens, n_out), dtype=np.float32)
@@ -778,14 +792,14 @@ def _qmatmul_grid(x, w, kind):
         for o0 in range(0, n_out, panel):
             rows = min(panel, n_out - o0)
             for r in prange(rows):
-                _dq_grid(kind, w[o0 + r], n_in // 256, buf[r], n16)
+                dq_row(kind, w[o0 + r], n_in, buf[r], n16)
             y[:, o0 : o0 + rows] = np.dot(x, buf[:rows].T)
         return y
     n_chunks = _chunks(n_out)
     for ch in prange(n_chunks):
         row = np.empty(n_in, dtype=np.float32)
         for o in range(ch * n_out // n_chunks, (ch + 1) * n_out // n_chunks):
-            _dq_grid(kind, w[o], n_in // 256, row, n16)
+            dq_row(kind, w[o], n_in, row, n16)
             for t in range(n_tokens):
                 y[t, o] = _dot(row, x[t])
     return y
@@ -793,37 +807,42 @@ def _qmatmul_grid(x, w, kind):
 
 @_jit
 def qmatmul_iq2_xxs(x, w):
-    return _qmatmul_grid(x, w, K_IQ2_XXS)
+    return _qmatmul_rows(x, w, K_IQ2_XXS)
 
 
 @_jit
 def qmatmul_iq2_xs(x, w):
-    return _qmatmul_grid(x, w, K_IQ2_XS)
+    return _qmatmul_rows(x, w, K_IQ2_XS)
 
 
 @_jit
 def qmatmul_iq2_s(x, w):
-    return _qmatmul_grid(x, w, K_IQ2_S)
+    return _qmatmul_rows(x, w, K_IQ2_S)
 
 
 @_jit
 def qmatmul_iq3_xxs(x, w):
-    return _qmatmul_grid(x, w, K_IQ3_XXS)
+    return _qmatmul_rows(x, w, K_IQ3_XXS)
 
 
 @_jit
 def qmatmul_iq3_s(x, w):
-    return _qmatmul_grid(x, w, K_IQ3_S)
+    return _qmatmul_rows(x, w, K_IQ3_S)
 
 
 @_jit
 def qmatmul_iq1_s(x, w):
-    return _qmatmul_grid(x, w, K_IQ1_S)
+    return _qmatmul_rows(x, w, K_IQ1_S)
 
 
 @_jit
 def qmatmul_iq1_m(x, w):
-    return _qmatmul_grid(x, w, K_IQ1_M)
+    return _qmatmul_rows(x, w, K_IQ1_M)
+
+
+@_jit
+def qmatmul_nvfp4(x, w):
+    return _qmatmul_rows(x, w, K_NVFP4)
 
 
 DRIVERS = {
@@ -849,6 +868,7 @@ DRIVERS = {
     "IQ3_S": qmatmul_iq3_s,
     "IQ1_S": qmatmul_iq1_s,
     "IQ1_M": qmatmul_iq1_m,
+    "NVFP4": qmatmul_nvfp4,
 }
 
 
@@ -877,7 +897,9 @@ def dq_row(kind, row, n_in, out, n16):
         _dq_tq2_0(kind, row, n_in // 256, out, n16)
     elif kind == K_TQ1_0:
         _dq_tq1_0(kind, row, n_in // 256, out, n16)
-    elif kind >= K_IQ2_XXS:  # the grid i-quants (alchemist.kernels.iq_grids.GRID_TYPES), the last kinds
+    elif kind == K_NVFP4:
+        _dq_nvfp4(kind, row, n_in // 64, out, n16)
+    elif K_IQ2_XXS <= kind <= K_IQ1_M:  # the grid i-quants (alchemist.kernels.iq_grids.GRID_TYPES), in order
         _dq_grid(kind, row, n_in // 256, out, n16)
     else:
         _dq_q6_k(kind, row, n_in // 256, out, n16)

@@ -1,4 +1,5 @@
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -373,6 +374,29 @@ struct MXFP4 {
             q[j + 16] = KVALUES_MXFP4[b[1 + j] >> 4];
         }
 #endif
+        return q;
+    }
+};
+
+/* NVFP4: 64 weights as 4 sub-blocks of 16: four unsigned E4M3 scale bytes, then 32 bytes of four-bit E2M1 codes
+   (sub-block s: low nibbles of bytes 8s..8s+7, then their high nibbles). q = the doubled E2M1 value
+   (kvalues_mxfp4), dl[s] = the E4M3 value halved (ggml_ue4m3_to_fp32; 0 and 0x7F, its NaN, are 0): exact. */
+static inline float ue4m3_half(uint8_t x) {
+    if (x == 0 || x == 0x7F) return 0.0f;
+    const int e = (x >> 3) & 0xF, m = x & 7;
+    return (e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + (float)m / 8.0f, e - 7)) * 0.5f;
+}
+
+struct NVFP4 {
+    enum { QK = 64, BS = 36, SUB = 16, NSUB = 4, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        for (int s = 0; s < 4; ++s) {
+            dl[s] = ue4m3_half(b[s]);
+            for (int j = 0; j < 8; ++j) {
+                q[16 * s + j] = KVALUES_MXFP4[b[4 + 8 * s + j] & 0xF];
+                q[16 * s + 8 + j] = KVALUES_MXFP4[b[4 + 8 * s + j] >> 4];
+            }
+        }
         return q;
     }
 };
@@ -894,9 +918,11 @@ static idx_t embed(const uint8_t *W, idx_t n_rows, idx_t n_in, const int64_t *id
    Q2_K / Q3_K (and non-AVX2 builds) keep the per-sub-block order of dot_block_int: float32 eps apart. */
 enum { ACT_Q8_0 = 0, ACT_Q8_1 = 1, ACT_Q8_K = 2 };
 
+/* PER_BLOCK: activation blocks per weight block (NVFP4's 64 weights meet two Q8_0 blocks of 32) */
 template <class Q>
 struct ActOf {
     enum { KIND = Q::QK == 256 ? ACT_Q8_K : (Q::HAS_MIN ? ACT_Q8_1 : ACT_Q8_0) };
+    enum { PER_BLOCK = KIND == ACT_Q8_0 ? Q::QK / 32 : 1 };
 };
 
 static inline float fp32_from_bits(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
@@ -1022,7 +1048,7 @@ struct CodeOffset<Q5_0> {
 
 template <class Q>
 static void quantize_acts(const float *X, idx_t T, idx_t n, ActRows *a) {
-    const idx_t nb = n / Q::QK;
+    const idx_t nb = n / Q::QK * ActOf<Q>::PER_BLOCK; /* activation blocks per row */
 #pragma omp parallel for schedule(static) if (T >= 8 && T * n >= 65536)
     for (idx_t t = 0; t < T; ++t) {
         quantize_act_row<ActOf<Q>::KIND>(X + t * n, n, a->q + t * n, a->d + t * nb, a->s1 + t * nb, a->s16 + t * (n / 16));
@@ -1210,6 +1236,48 @@ struct GgmlTiled<TQ2_0> {
 template <>
 struct GgmlTiled<TQ1_0> {
     enum { YES = 0 };
+};
+template <>
+struct GgmlTiled<NVFP4> {
+    enum { YES = 0 };
+};
+
+/* NVFP4: ggml_vec_dot_nvfp4_q8_0, at every T. On AVX2 ggml-cpu's own (arch/x86): per block, each 32 of the
+   activations (one Q8_0 block, dy) meets two sub-blocks of 16 as 8 int32 lanes (elements 4k..4k+3), the lanes
+   of sub-block s scaled by dy * d[s], acc = fma(lanes, scales, acc); the row is the 8-lane sum. Elsewhere the
+   generic loop: sumf += (dy * d) * (integer sum of the 16), one fma per sub-block. yd: the Q8_0 d of every 32
+   activations, two per block. */
+template <>
+struct GgmlDot<NVFP4> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *) {
+        alignas(32) int8_t q[64];
+        float dl[4];
+#if AQ_AVX2
+        acc8 acc = acc8_zero();
+        for (idx_t i = 0; i < nb; ++i) {
+            NVFP4::unpack(x + i * NVFP4::BS, q, dl, 0);
+            for (int c = 0; c < 2; ++c) {
+                const __m256i w = _mm256_load_si256((const __m256i *)(q + 32 * c));
+                const __m256 lanes = _mm256_cvtepi32_ps(dot32(w, _mm256_sign_epi8(w, w), yq + 64 * i + 32 * c));
+                const float dy = yd[2 * i + c];
+                acc = _mm256_fmadd_ps(lanes, _mm256_set_m128(_mm_set1_ps(dy * dl[2 * c + 1]), _mm_set1_ps(dy * dl[2 * c])), acc);
+            }
+        }
+        return acc8_total(acc);
+#else
+        float sumf = 0.0f;
+        for (idx_t i = 0; i < nb; ++i) {
+            NVFP4::unpack(x + i * NVFP4::BS, q, dl, 0);
+            for (int s = 0; s < 4; ++s) {
+                int sum = 0;
+                for (int j = 0; j < 16; ++j) sum += q[16 * s + j] * yq[64 * i + 16 * s + j];
+                sumf = __builtin_fmaf(yd[2 * i + s / 2] * dl[s], (float)sum, sumf);
+            }
+        }
+        return sumf;
+#endif
+    }
 };
 
 
@@ -1862,13 +1930,14 @@ enum { GGML_FLOAT_MIN_T = 16, GGML_PANEL_MIN_T = 16 };
 
 template <class Q>
 static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, idx_t T, float *Y) {
-    const idx_t nb = n_in / Q::QK, rb = nb * Q::BS;
+    static_assert(ActOf<Q>::PER_BLOCK == 1 || GgmlDot<Q>::EXACT, "the paths below index one activation block per weight block");
+    const idx_t nb = n_in / Q::QK, rb = nb * Q::BS, nd = nb * ActOf<Q>::PER_BLOCK;
     ActRows a;
-    if (act_alloc(&a, T, n_in, nb) != 0) return -1;
+    if (act_alloc(&a, T, n_in, nd) != 0) return -1;
     quantize_acts<Q>(X, T, n_in, &a);
     const int threaded = (double)n_out * (double)rb * (double)T >= 65536.0;
     if ((GgmlDot<Q>::EXACT && GgmlTiled<Q>::YES && T >= GGML_TILED_MIN_T) ||
-        (AQ_AVX2 && ActOf<Q>::KIND == ACT_Q8_0 && T >= GGML_PANEL_MIN_T)) {
+        (AQ_AVX2 && ActOf<Q>::KIND == ACT_Q8_0 && ActOf<Q>::PER_BLOCK == 1 && T >= GGML_PANEL_MIN_T)) {
         const int status = run_ggml_panels<Q>(W, n_out, n_in, &a, T, Y, threaded);
         free(a.mem);
         return status;
@@ -1893,7 +1962,7 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
 #pragma omp parallel for schedule(static) collapse(2) if (threaded)
         for (idx_t o = 0; o < n_out; ++o)
             for (idx_t t = 0; t < T; ++t)
-                Y[t * n_out + o] = GgmlDot<Q>::dot(W + o * rb, nb, a.q + t * n_in, a.d + t * nb, a.s16 + t * (n_in / 16));
+                Y[t * n_out + o] = GgmlDot<Q>::dot(W + o * rb, nb, a.q + t * n_in, a.d + t * nd, a.s16 + t * (n_in / 16));
         free(a.mem);
         return 0;
     }
