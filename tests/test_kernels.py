@@ -51,6 +51,7 @@ SCALE_FIELDS = {
     "IQ3_XXS": (0,),
     "IQ3_S": (0,),
     "IQ1_S": (0,),
+    "Q1_0": (0,),
 }
 # byte offsets of the E8M0 scale bytes (MXFP4, scale 2^(e - 128)): moderate exponents, or the extremes
 E8M0_FIELDS = {"MXFP4": (0,)}
@@ -491,12 +492,13 @@ def test_ggml_numerics_match_ggml_vec_dot(ggml_ref, compiled_ggml, ggml_type):
         "TQ2_0",
         "TQ1_0",
         "NVFP4",
+        "Q1_0",
         *GRID_TYPES,
     ):  # the same float operations in the same order
         assert np.array_equal(got_c, want)
     if ggml_type in (
         "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "TQ2_0", "TQ1_0", "NVFP4",
-        *GRID_TYPES,
+        "Q1_0", *GRID_TYPES,
     ):  # fmt: skip
         assert np.array_equal(np.asarray(compiled_ggml("c", ggml_type, n_out, n_in)(x[:1], raw)), want[:1])  # decode
     assert np.abs(got_c - want).max() <= 2e-6 * scale

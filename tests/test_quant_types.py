@@ -1,4 +1,5 @@
-"""IQ4_NL, IQ4_XS, TQ2_0, TQ1_0 and the grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M): the
+"""IQ4_NL, IQ4_XS, TQ2_0, TQ1_0, NVFP4, Q1_0 and the grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
+IQ1_M): the
 block formats against llama.cpp's own quantizer and dequantizer, and fixtures
 llama.cpp quantized run through the kernels with numerics="ggml" give llama.cpp's logits bit for bit, prompt and
 decode.
@@ -16,13 +17,13 @@ from alchemist.kernels.formats import KVALUES_IQ4NL
 PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
 CONTEXT = 64
 GRID_QUANTS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
-I_QUANTS = ("IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0", "NVFP4", *GRID_QUANTS)
+I_QUANTS = ("IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0", "NVFP4", "Q1_0", *GRID_QUANTS)
 # the types whose fixtures llama.cpp quantizes tensor by tensor (llama_model_quantize will not write them here)
 TENSOR_BY_TENSOR = (*GRID_QUANTS, "NVFP4")
 # how much of a random matrix each keeps: ternary scaled by the block maximum about half, 2 bits a bit more
 SIGNAL = {
     "TQ2_0": 0.4, "TQ1_0": 0.4, "IQ2_XXS": 0.8, "IQ2_XS": 0.85, "IQ2_S": 0.85, "IQ3_XXS": 0.9, "IQ3_S": 0.9,
-    "IQ1_S": 0.6, "IQ1_M": 0.6,
+    "IQ1_S": 0.6, "IQ1_M": 0.6, "Q1_0": 0.75,
 }  # fmt: skip
 
 
@@ -54,7 +55,7 @@ def test_dequantization_is_llamacpps(ggml_type):
 )
 def test_fixture_logits_are_llamacpps_to_the_bit(prompt_and_decode_are_llamacpps, fixture_files, ggml_type, backend):
     """qwen2 quantized by llama.cpp (its mixture: the type in the projections, Q6_K output), kernels and
-    numerics="ggml": the 14-token prompt (IQ4_NL: tinyBLAS's order; IQ4_XS: ggml's tiled matmul; TQ2_0, TQ1_0: vec_dot,
+    numerics="ggml": the 14-token prompt (IQ4_NL: tinyBLAS's order; IQ4_XS: ggml's tiled matmul; TQ2_0, TQ1_0, Q1_0: vec_dot,
     which llama.cpp takes at every batch size for it) and three decode steps (one row: ggml_vec_dot's order, which
     for IQ4_NL alternates two accumulators) are llama.cpp's logits bit for bit."""
     from alchemist.harness.validate import load_for_validation
@@ -90,20 +91,22 @@ def test_tensor_by_tensor_fixture_logits_are_llamacpps_to_the_bit(prompt_and_dec
 
 
 def test_a_type_without_kernel_or_dequantizer_is_refused_by_name(tmp_path):
-    """Q1_0 (ggml's 1-bit type: gguf-py writes its blocks but cannot dequantize them) in one weight: a clear
+    """Q8_1 (an activation type of ggml's, which gguf-py writes but nothing multiplies) in one weight: a clear
     refusal naming the file, the tensor and the type, before anything is loaded."""
-    from gguf import GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from alchemist.arch import build_model_ir
     from alchemist.errors import UnsupportedModelError
     from alchemist.fixtures import write_fixture
     from alchemist.gguf_io import read_gguf
 
-    def encode(name, role, values):  # 128 weights per block: an fp16 d, then 16 bytes of signs
+    qk, bs = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
+
+    def encode(name, role, values):
         if name != "blk.0.attn_q.weight":
             return None
-        return np.zeros((values.shape[0], values.shape[1] // 128 * 18), np.uint8), GGMLQuantizationType.Q1_0
+        return np.zeros((values.shape[0], values.shape[1] // qk * bs), np.uint8), GGMLQuantizationType.Q8_1
 
-    path = write_fixture(tmp_path / "q1.gguf", "qwen2", encode=encode)
-    with pytest.raises(UnsupportedModelError, match=r"q1\.gguf: tensor 'blk\.0\.attn_q\.weight' is Q1_0"):
+    path = write_fixture(tmp_path / "q8_1.gguf", "qwen2", encode=encode)
+    with pytest.raises(UnsupportedModelError, match=r"q8_1\.gguf: tensor 'blk\.0\.attn_q\.weight' is Q8_1"):
         build_model_ir(read_gguf(path))

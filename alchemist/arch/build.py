@@ -38,6 +38,7 @@ from alchemist.ir import (
     SSMSpec,
     TensorBinding,
 )
+from alchemist.kernels.formats import NOT_IN_GGUF_PY
 from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # weights loaded as float32 (every quantized one is a kernel type)
@@ -286,6 +287,11 @@ def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int,
     kernel = info.ggml_type in KERNEL_TYPES and (
         spec.role in ("linear", "embedding") and len(info.shape) == 2 or spec.role == "experts" and len(info.shape) == 3
     )
+    if not kernel and info.ggml_type in NOT_IN_GGUF_PY:  # the module's loader dequantizes it with gguf-py
+        raise UnsupportedModelError(
+            f"{facts.path}: tensor {name!r} is {info.ggml_type}, which alchemist multiplies only as a projection, "
+            f"an embedding or an expert stack (its {spec.role} would be dequantized by gguf-py, which cannot read it)"
+        )
     return TensorBinding(name, info.ggml_type, info.shape, info.offset, info.nbytes, spec.role, kernel)
 
 

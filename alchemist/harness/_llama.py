@@ -223,7 +223,8 @@ def tensor_to_numpy(ptr: int, rank: int = 2) -> tuple[np.ndarray, dict]:
 
 # vec_dot_type per weight type (ggml-cpu.c type_traits_cpu) and that type's (block values, block bytes)
 VEC_DOT_TYPE = {
-    "Q8_0": "q8_0", "Q4_0": "q8_0", "Q5_0": "q8_0", "MXFP4": "q8_0", "IQ4_NL": "q8_0", "NVFP4": "q8_0", "Q4_1": "q8_1",
+    "Q8_0": "q8_0", "Q4_0": "q8_0", "Q5_0": "q8_0", "MXFP4": "q8_0", "IQ4_NL": "q8_0", "NVFP4": "q8_0", "Q1_0": "q8_0",
+    "Q4_1": "q8_1",
     "Q5_1": "q8_1",
 }  # fmt: skip
 ACTIVATION_BLOCKS = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 4 + 256 + 32)}

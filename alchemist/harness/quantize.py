@@ -48,13 +48,14 @@ QTYPE_TO_FTYPE = {
     "IQ4_XS": "IQ4_XS",
     "TQ2_0": "TQ2_0",
     "TQ1_0": "TQ1_0",
+    "Q1_0": "Q1_0",
 }
 # bare types whose ftype's mixture would not use them on 2-D weights: quantized pure
 PURE_QTYPES = frozenset({"MXFP4"})
 FTYPES = (
     "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
     "Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
-    "MXFP4_MOE", "IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0",
+    "MXFP4_MOE", "IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0", "Q1_0",
 )  # fmt: skip
 # the types the fixtures are exercised with
 FIXTURE_QTYPES = (

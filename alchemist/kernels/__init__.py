@@ -6,7 +6,7 @@
 
 x: symbolic (T, n_in) float32. w_blocks: (n_out, row_bytes) uint8, the tensor's GGUF bytes one row per
 output (`raw.reshape(n_out, -1)`, see `as_blocks`); no repacking. Result: symbolic (T, n_out) float32.
-Types: SUPPORTED_TYPES = Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4 IQ4_NL IQ4_XS TQ2_0 TQ1_0 IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M NVFP4. The Ops check at
+Types: SUPPORTED_TYPES = Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4 IQ4_NL IQ4_XS TQ2_0 TQ1_0 IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M NVFP4 Q1_0. The Ops check at
 run time that
 the arrays have the (n_out, n_in) they were built for (on C these are run-time parameters, so one compiled
 module serves every shape of a type).
@@ -32,11 +32,11 @@ Per backend (Ops `QuantizedMatmul`, `QuantizedEmbedding`):
 Two numerics (the `numerics=` keyword of quantized_linear / quantized_expert_linear):
   "exact"  float32 products with the exactly dequantized weights (differentiable; the reference for gradients)
   "ggml"   llama.cpp's CPU arithmetic: each activation row rounded to the weight type's vec_dot_type blocks
-           (Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL/NVFP4, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants, IQ4_XS, the ternary and the grid i-quants), then
+           (Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL/NVFP4/Q1_0, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants, IQ4_XS, the ternary and the grid i-quants), then
            C            integer dot products (AVX2 maddubs) with ggml's own float operations in its order: per
                         block for the 32-blocks at every T (IQ4_NL: vec_dot's two accumulators for one row);
                         vec_dot_*_q8_K below 8 rows and ggml's tiled matmul from 8 rows on for Q4_K/Q5_K/Q6_K and
-                        IQ4_XS, vec_dot at every T for TQ2_0, TQ1_0 and NVFP4: llama.cpp's products bit for bit (Q2_K/Q3_K
+                        IQ4_XS, vec_dot at every T for TQ2_0, TQ1_0, NVFP4 and Q1_0: llama.cpp's products bit for bit (Q2_K/Q3_K
                         and MXFP4 float32 eps apart; Q2_K/Q3_K at T >= 16 through the exact path's float kernel)
            Numba, JAX, MLX  the C kernels (the same products); Numba with its own kernels, and JAX and MLX
                         without the C kernels:

@@ -1,7 +1,7 @@
 """llama.cpp's activation quantization, as values: what a ggml-cpu matmul actually multiplies a weight by.
 
 ggml-cpu quantizes each activation row to the weight type's `vec_dot_type` before its integer dot products
-(see c_kernels.py, "ggml numerics"): Q8_0 blocks of 32 for Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL/NVFP4 (and Q8_1, the same values
+(see c_kernels.py, "ggml numerics"): Q8_0 blocks of 32 for Q4_0/Q5_0/Q8_0/MXFP4/IQ4_NL/NVFP4/Q1_0 (and Q8_1, the same values
 plus a block sum, for Q4_1/Q5_1), Q8_K blocks of 256 for the K-quants, IQ4_XS, TQ2_0, TQ1_0 and the grid i-quants. `round_rows(x, ggml_type)` returns
 dequant(quant(x)): the float32 values those blocks represent. The Numba kernels multiply these by the
 exactly dequantized weights (numerics="ggml" on Numba, and `QuantizedMatmul.perform`); the C kernels use the

@@ -5,7 +5,7 @@ Y (T, n_out) = X (T, n_in) @ dequant(W).T, W given as GGUF rows (n_out, row_byte
 Every supported block is a set of sub-blocks (16 or 32 weights) with weight = dl * q + mb, q a small
 integer, dl and mb float32 (mb = 0 for the symmetric types; mb = m for Q4_1/Q5_1, -dmin * min for the
 K-quants; for MXFP4 q is the doubled E2M1 value and dl = 2^(e - 128), for NVFP4 the same q under a halved
-E4M3 dl per 16; for IQ4_NL / IQ4_XS q is the grid value
+E4M3 dl per 16, for Q1_0 q = +-1 and dl = d; for IQ4_NL / IQ4_XS q is the grid value
 kvalues_iq4nl[code] and dl = d, or d * (ls - 32) per 32; for TQ2_0 and TQ1_0 q = code - 1 and dl = d); dl and mb are computed
 exactly as
 gguf-py computes them. A format is one struct (QK, BS, SUB, NSUB, HAS_MIN, unpack); `unpack` followed by

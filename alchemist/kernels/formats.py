@@ -39,9 +39,13 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "IQ1_S": (256, 50),
     "IQ1_M": (256, 56),
     "NVFP4": (64, 36),
+    "Q1_0": (128, 18),
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(BLOCK_SIZES)
+# the supported types gguf-py writes but cannot dequantize: their reference is this module's numpy dequantizer
+# (tests/test_quant_types.py holds it to llama.cpp's dequantize_row_<type>)
+NOT_IN_GGUF_PY = frozenset({"Q1_0"})
 
 # every fp16 bit pattern (lo byte + 256 * hi byte) as float32: exact, handles subnormals, inf and nan
 F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -219,6 +223,11 @@ def dequantize_blocks(xp, blocks, ggml_type: str):
         q = ops.concat([qs % 16, qs // 16])  # like Q4_0: element j < 16 is the low nibble of byte j
         return flat(d * f32(ops.lookup(KVALUES_MXFP4, q)))
 
+    if ggml_type == "Q1_0":  # one sign bit per weight (bit j % 8 of byte j / 8): +d or -d
+        d = ops.f16(b[..., 0:2])[..., None]
+        bits = _bits(ops, b[..., 2:18], range(8), 1, axis=-1).reshape((*lead, 128))
+        return flat(d * f32(2 * bits - 1))
+
     if ggml_type == "NVFP4":
         d = ops.lookup(UE4M3_HALF_TABLE, b[..., 0:4])[..., None]  # (..., 4, 1): one scale per 16
         qs = b[..., 4:36].reshape((*lead, 4, 8))
@@ -364,8 +373,14 @@ def dequantize_rows(xp, w_blocks, ggml_type: str, n_out: int, n_in: int):
 
 
 def reference_dequantize(w_blocks: np.ndarray, ggml_type: str) -> np.ndarray:
-    """gguf-py's dequantizer (the exact reference): uint8 rows (n_out, row_bytes) -> float32 (n_out, n_in)."""
+    """gguf-py's dequantizer (the exact reference; NOT_IN_GGUF_PY: the numpy one above): uint8 rows
+    (n_out, row_bytes) -> float32 (n_out, n_in)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
+
+    if ggml_type in NOT_IN_GGUF_PY:
+        w = np.asarray(w_blocks)
+        n_out, qk = w.shape[0], block_size(ggml_type)[0]
+        return dequantize_rows(np, w, ggml_type, n_out, w.shape[1] // block_size(ggml_type)[1] * qk)
 
     return np.ascontiguousarray(dequantize(np.asarray(w_blocks), GGMLQuantizationType[ggml_type]), dtype=np.float32)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytensor.tensor as pt
 
-Q8_0_SOURCES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "MXFP4", "IQ4_NL", "NVFP4")
+Q8_0_SOURCES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "MXFP4", "IQ4_NL", "NVFP4", "Q1_0")
 Q8_K_SOURCES = (
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "TQ2_0", "TQ1_0", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
     "IQ1_S", "IQ1_M",

@@ -32,7 +32,7 @@ K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q2_K, K_Q3_K, K_Q4_K, K_Q5_K, K_Q6_K, 
 )
 K_IQ4_NL, K_IQ4_XS, K_TQ2_0, K_TQ1_0 = KINDS["IQ4_NL"], KINDS["IQ4_XS"], KINDS["TQ2_0"], KINDS["TQ1_0"]
 K_IQ2_XXS, K_IQ2_XS, K_IQ2_S, K_IQ3_XXS, K_IQ3_S, K_IQ1_S, K_IQ1_M = (KINDS[t] for t in iq_grids.GRID_TYPES)
-K_NVFP4 = KINDS["NVFP4"]
+K_NVFP4, K_Q1_0 = KINDS["NVFP4"], KINDS["Q1_0"]
 _TQ1_0_DIGITS = formats.TQ1_0_DIGITS
 # the grid i-quants' tables (alchemist.kernels.iq_grids): magnitudes per grid row, KSIGNS' sign bytes
 _IQ2_XXS_GRID, _IQ2_XS_GRID, _IQ2_S_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID, _IQ1_S_GRID = (
@@ -231,6 +231,15 @@ def _dq_mxfp4(kind, r, nb, y, n16):
             v = np.int64(r[p + 1 + j])
             y[o + j] = _KVALUES_MXFP4[v & 0xF] * d
             y[o + j + 16] = _KVALUES_MXFP4[v >> 4] * d
+
+
+@_jit_inline
+def _dq_q1_0(kind, r, nb, y, n16):
+    for b in range(nb):
+        p, o = 18 * b, 128 * b
+        d = _f16(r[p], r[p + 1])
+        for j in range(8 * n16):
+            y[o + j] = d if (np.int64(r[p + 2 + j // 8]) >> (j % 8)) & 1 else -d
 
 
 @_jit_inline
@@ -782,7 +791,7 @@ def qmatmul_tq1_0(x, w):
 
 @numba.njit(cache=True, parallel=True, fastmath=False)
 def _qmatmul_rows(x, w, kind):
-    """The driver of the grid i-quants and NVFP4 (one for all: dq_row dispatches on `kind`, once per row)."""
+    """The driver of the grid i-quants, NVFP4 and Q1_0 (one for all: dq_row dispatches on `kind`, once per row)."""
     n_tokens, n_in = x.shape
     n_out, n16 = w.shape[0], 16 + (n_in >> 62)
     y = np.empty((n_tokens, n_out), dtype=np.float32)
@@ -845,6 +854,11 @@ def qmatmul_nvfp4(x, w):
     return _qmatmul_rows(x, w, K_NVFP4)
 
 
+@_jit
+def qmatmul_q1_0(x, w):
+    return _qmatmul_rows(x, w, K_Q1_0)
+
+
 DRIVERS = {
     "Q4_0": qmatmul_q4_0,
     "Q4_1": qmatmul_q4_1,
@@ -869,6 +883,7 @@ DRIVERS = {
     "IQ1_S": qmatmul_iq1_s,
     "IQ1_M": qmatmul_iq1_m,
     "NVFP4": qmatmul_nvfp4,
+    "Q1_0": qmatmul_q1_0,
 }
 
 
@@ -899,6 +914,8 @@ def dq_row(kind, row, n_in, out, n16):
         _dq_tq1_0(kind, row, n_in // 256, out, n16)
     elif kind == K_NVFP4:
         _dq_nvfp4(kind, row, n_in // 64, out, n16)
+    elif kind == K_Q1_0:
+        _dq_q1_0(kind, row, n_in // 128, out, n16)
     elif K_IQ2_XXS <= kind <= K_IQ1_M:  # the grid i-quants (alchemist.kernels.iq_grids.GRID_TYPES), in order
         _dq_grid(kind, row, n_in // 256, out, n16)
     else:

@@ -8,7 +8,7 @@
   kernels take ggml's own order, so the products are llama.cpp's bit for bit; alchemist.kernels.c_kernels; C,
   Numba, JAX and MLX all compute with them, alchemist.kernels.native, jax_ffi, mlx_host):
   - Q8_0 (blocks of 32, scale max|x|/127 stored as fp16, x·127/max rounded to nearest even: the AVX2
-    quantize_row_q8_0) for Q4_0, Q5_0, Q8_0, MXFP4, IQ4_NL and NVFP4; Q8_1 (the same values plus block sums) for Q4_1, Q5_1;
+    quantize_row_q8_0) for Q4_0, Q5_0, Q8_0, MXFP4, IQ4_NL, NVFP4 and Q1_0; Q8_1 (the same values plus block sums) for Q4_1, Q5_1;
   - Q8_K (blocks of 256, float32 scale: quantize_row_q8_K_ref, iscale = -127/max where max is the element of
     largest magnitude) for the K-quants, IQ4_XS, TQ2_0, TQ1_0 and the grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S,
     IQ3_XXS, IQ3_S, IQ1_S, IQ1_M);

@@ -401,6 +401,18 @@ struct NVFP4 {
     }
 };
 
+/* Q1_0: an fp16 d, then 128 sign bits (weight j: bit j % 8 of byte j / 8, set +1, clear -1): q = +-1, dl = d
+   for each of its four 32s. */
+struct Q1_0 {
+    enum { QK = 128, BS = 18, SUB = 32, NSUB = 4, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *q, float *dl, float *) {
+        const float d = f16(b);
+        for (int j = 0; j < 128; ++j) q[j] = (b[2 + j / 8] >> (j % 8)) & 1 ? 1 : -1;
+        for (int s = 0; s < 4; ++s) dl[s] = d;
+        return q;
+    }
+};
+
 /* IQ4_NL: an fp16 d, then 32 four-bit codes (low nibbles, then high nibbles, as Q4_0) into the non-linear grid
    kvalues_iq4nl: q = the grid value, dl = d. IQ4_XS: 256 weights as 8 such sub-blocks of 32 under one fp16 d
    (then scales_h, uint16, and scales_l[4]), sub-block s scaled by a 6-bit ls (its low 4 bits the nibble s & 1 of
@@ -1240,6 +1252,52 @@ struct GgmlTiled<TQ1_0> {
 template <>
 struct GgmlTiled<NVFP4> {
     enum { YES = 0 };
+};
+template <>
+struct GgmlTiled<Q1_0> {
+    enum { YES = 0 };
+};
+
+/* Q1_0: ggml_vec_dot_q1_0_q8_0, at every T. On AVX2 ggml-cpu's own (arch/x86): per block, each 32 of the
+   activations (one Q8_0 block) signed by the weights' bits as 8 int32 lanes (elements 4k..4k+3), then
+   t = dy0 * lanes0, t = fma(dy_k, lanes_k, t) for the next three, acc = fma(d, t, acc); the row is the 8-lane
+   sum. Elsewhere ggml's generic loop: per 32 the integer sum times dy added into a block sum, times d into the
+   row. */
+template <>
+struct GgmlDot<Q1_0> {
+    enum { EXACT = 1 };
+    static inline float dot(const uint8_t *x, idx_t nb, const int8_t *yq, const float *yd, const int16_t *) {
+        alignas(32) int8_t q[128];
+        float dl[4];
+#if AQ_AVX2
+        acc8 acc = acc8_zero();
+        for (idx_t i = 0; i < nb; ++i) {
+            Q1_0::unpack(x + i * Q1_0::BS, q, dl, 0);
+            __m256 t = _mm256_setzero_ps();
+            for (int c = 0; c < 4; ++c) {
+                const __m256i w = _mm256_load_si256((const __m256i *)(q + 32 * c));
+                const __m256 lanes = _mm256_cvtepi32_ps(dot32(w, _mm256_sign_epi8(w, w), yq + 128 * i + 32 * c));
+                const __m256 dy = _mm256_set1_ps(yd[4 * i + c]);
+                t = c == 0 ? _mm256_mul_ps(dy, lanes) : _mm256_fmadd_ps(dy, lanes, t);
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(dl[0]), t, acc);
+        }
+        return acc8_total(acc);
+#else
+        float sumf = 0.0f;
+        for (idx_t i = 0; i < nb; ++i) {
+            Q1_0::unpack(x + i * Q1_0::BS, q, dl, 0);
+            float t = 0.0f;
+            for (int c = 0; c < 4; ++c) {
+                int sum = 0;
+                for (int j = 0; j < 32; ++j) sum += q[32 * c + j] * yq[128 * i + 32 * c + j];
+                t += yd[4 * i + c] * (float)sum;
+            }
+            sumf += dl[0] * t;
+        }
+        return sumf;
+#endif
+    }
 };
 
 /* NVFP4: ggml_vec_dot_nvfp4_q8_0, at every T. On AVX2 ggml-cpu's own (arch/x86): per block, each 32 of the
