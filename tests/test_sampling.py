@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -84,3 +86,34 @@ def test_plain_temperature_keeps_the_distribution():
     z = row.astype(np.float64) / 0.5
     want = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
     np.testing.assert_allclose(counts, want, atol=0.01)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-320, top_k=40),
+        SamplingParams(temperature=1e-300, top_p=0.9),
+        SamplingParams(temperature=1e-40),
+        SamplingParams(temperature=1e-320, top_k=40, top_p=1e-300),
+    ],
+    ids=repr,
+)
+def test_a_vanishing_temperature_is_greedy(params):
+    """Temperatures whose inverse overflows float32 or float64 (no NaN from inf - inf): the argmax every draw."""
+    sampler = Sampler(dataclasses.replace(params, seed=3))
+    for row in rows(512, 6, seed=5):
+        row[17] = row.max() + 0.5  # one best token
+        ids, probs = sampler.candidates(row, [])
+        assert np.all(np.isfinite(probs)) and probs.sum() == pytest.approx(1.0)
+        assert all(sampler(row, []) == 17 for _ in range(5))
+
+
+def test_a_huge_temperature_is_uniform_and_a_vanishing_penalty_stays_finite():
+    row = next(rows(512, 1, seed=6)) * 100
+    hot = Sampler(SamplingParams(temperature=1e300, seed=1))
+    assert len({hot(row, []) for _ in range(400)}) > 250  # ~uniform over 512: about 280 distinct in 400 draws
+    seen = [int(i) for i in np.flatnonzero(row > 0)[:3]]
+    penalized = Sampler(SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1e-320, seed=2))
+    ids, probs = penalized.candidates(row, seen)
+    assert np.all(np.isfinite(probs)) and set(ids[probs > 0].tolist()) <= set(seen)  # the limit: seen ones win
+    assert all(penalized(row, seen) in seen for _ in range(20))

@@ -308,6 +308,29 @@ def test_a_sink_that_raises_cancels_only_its_request(tok):
     assert ids_of(events["b"]) == solo(tok, b, 7).token_ids
 
 
+def test_a_failure_in_one_slot_of_a_running_batch_ends_only_its_request(tok):
+    """A request whose sampling raises (injected into its slot mid-stream) ends with an error of its own; the other
+    request in the same decode batch finishes as it would alone, and the scheduler serves the next one."""
+    a, b, c = prompts(3, seed=14)
+    s = Scheduler(toy(n_slots=2), tok)
+    events: dict = {}
+    s.submit(Request(a, max_tokens=20, sink=collect(events)("a"), id="a"))
+    s.submit(Request(b, max_tokens=12, sink=collect(events)("b"), id="b"))
+    while len(events.get("a", [])) < 3:  # both decode in one batch by now
+        s.step()
+    slot = next(x for x in s._slots if x.request is not None and x.request.id == "a")
+
+    def failing(logits, previous):
+        raise ValueError("Probabilities contain NaN")
+
+    slot.sampler = failing
+    run_until_idle(s)
+    done_a = events["a"][-1]
+    assert done_a.finish_reason == "error" and "Probabilities contain NaN" in done_a.error
+    assert ids_of(events["b"]) == solo(tok, b, 12).token_ids and events["b"][-1].finish_reason == "length"
+    assert s.generate(Request(c, max_tokens=5)).token_ids == solo(tok, c, 5).token_ids
+
+
 # ------------------------------------------------------------------------------ inference() joins the batch
 
 

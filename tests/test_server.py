@@ -188,6 +188,7 @@ BAD = [
     ("token id out of range", COMP, {"model": MODEL, "prompt": [5, 99999]}, 400, None, "prompt"),
     ("two prompts", COMP, {"model": MODEL, "prompt": ["a", "b"]}, 400, None, "prompt"),
     ("echo", COMP, {"model": MODEL, "prompt": "a", "echo": True}, 400, None, "echo"),
+    ("nested too deeply", CHAT, b"[" * 100_000 + b"]" * 100_000, 400, None, None),
 ]  # fmt: skip
 
 
@@ -344,6 +345,30 @@ def test_real_scheduler_over_toy_engine(tokenizer):
         assert values["alchemist_generated_tokens_total"] == sched.stats.generated_tokens_total > 6 * 12
         assert values["alchemist_time_to_first_token_seconds_count"] == sched.stats.ttft_seconds.count >= 8
     assert not sched.stats.running  # the lifespan stopped it
+
+
+@pytest.mark.skipif(not _importable("alchemist.serve.scheduler"), reason="needs alchemist.serve.scheduler")
+def test_extreme_sampling_values_answer_greedily_beside_a_running_stream(tokenizer):
+    """Temperatures and penalties at the edge of float64 while another stream runs: each answers with the greedy
+    text (the limit a vanishing temperature approaches), and the stream beside them finishes untouched."""
+    from alchemist.serve.scheduler import Scheduler
+
+    sched = Scheduler(ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4), tokenizer)
+    app = create_app(sched, tokenizer, MODEL, drain_s=3.0)
+    body = {"model": MODEL, "prompt": "the extreme values", "max_tokens": 10}
+    with running(app) as url:
+        greedy = httpx.post(url + "/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": 60, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            for extreme in ({"temperature": 1e-320, "top_k": 40}, {"temperature": 1e-300, "top_p": 0.5},
+                            {"temperature": 1e-40}, {"temperature": 1e-320, "repetition_penalty": 1e-320}):  # fmt: skip
+                r = httpx.post(url + "/v1/completions", json={**body, **extreme})
+                assert r.status_code == 200, r.text
+                if "repetition_penalty" not in extreme:
+                    assert r.json()["choices"][0]["text"] == greedy, extreme
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2].replace(" ", "")
 
 
 # ---------------------------------------------------------------------------------------------- `alchemist serve`

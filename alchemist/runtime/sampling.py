@@ -1,5 +1,10 @@
 """Choosing the next token from logits: greedy, or sampled with the usual filters (llama.cpp's order:
-repetition penalty, top-k, top-p, temperature)."""
+repetition penalty, top-k, top-p, temperature).
+
+Any accepted parameter is numerically safe: logits are shifted by their maximum before they are divided by the
+temperature (so the best token's scaled logit is exactly 0 and no inf - inf appears), and a penalized logit is
+kept finite; an extreme temperature behaves as the limit it approaches (a tiny one as greedy, among the tied best
+tokens uniformly; a huge one as uniform), and so does an extreme repetition penalty."""
 
 from __future__ import annotations
 
@@ -48,8 +53,7 @@ class Sampler:
             return int(np.argmax(np.asarray(logits).reshape(-1)))
         if not p.top_k and p.top_p >= 1.0 and p.repetition_penalty == 1.0:  # inverse CDF: rng.choice checks p
             row = _floats(logits)
-            # exp in the row's precision (float64 exp of a wide range took ~8 ms), summed in float64
-            cdf = np.cumsum(np.exp((row - row.max()) * row.dtype.type(1.0 / p.temperature)), dtype=np.float64)
+            cdf = np.cumsum(_weights(row, row.max(), p.temperature), dtype=np.float64)
             return min(int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right")), row.size - 1)
         ids, probs = self.candidates(logits, previous)
         if p.temperature == 0.0:
@@ -65,28 +69,29 @@ class Sampler:
             row = row.astype(np.float64)  # a copy: the caller's logits stay as they are
             seen = np.unique(np.asarray(previous, dtype=np.int64))
             vals = row[seen]
-            row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            with np.errstate(over="ignore"):
+                row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            np.clip(row, -_BIG, _BIG, out=row)  # a tiny penalty's overflow: the largest finite logit, not inf
         if p.temperature == 0.0:
             return np.array([int(np.argmax(row))]), np.ones(1)
         n = row.size
         if not p.top_k and p.top_p >= 1.0:  # plain temperature: the whole vocabulary, unsorted
-            z = row.astype(np.float64) / p.temperature
-            probs = np.exp(z - z.max())
+            probs = _exp_scaled(row.astype(np.float64) - row.max(), p.temperature)
             return np.arange(n), probs / probs.sum()
         if p.top_k:  # the softmax is over the top-k candidates only (llama.cpp's order)
             ids = _top(row, min(p.top_k, n))
-            z = row[ids].astype(np.float64) / p.temperature
-            probs = np.exp(z - z.max())
+            z = row[ids].astype(np.float64)
+            probs = _exp_scaled(z - z.max(), p.temperature)
             probs /= probs.sum()
         else:  # top-p alone: the softmax is over the whole vocabulary, its tail needs no sort
             # only the top-p cut depends on the total (the kept probabilities are renormalized below), so it is
             # summed from exps in the row's precision: ~1e-7 relative, and ~8x faster than float64 exps
             top = row.max()
-            total = np.exp((row - top) * row.dtype.type(1.0 / p.temperature)).sum(dtype=np.float64)
+            total = _weights(row, top, p.temperature).sum(dtype=np.float64)
             k = min(self._FIRST_K, n)
             while True:
                 ids = _top(row, k)
-                probs = np.exp((row[ids].astype(np.float64) - float(top)) / p.temperature) / total
+                probs = _exp_scaled(row[ids].astype(np.float64) - float(top), p.temperature) / total
                 if k == n or probs.sum() >= p.top_p:
                     break
                 k = min(n, k * 8)
@@ -94,6 +99,26 @@ class Sampler:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
             ids, probs = ids[:keep], probs[:keep] / probs[:keep].sum()
         return ids, probs
+
+
+_BIG = np.finfo(np.float64).max / 4  # a penalized logit's bound: the row minus its maximum stays finite
+
+
+def _weights(row: np.ndarray, top, temperature: float) -> np.ndarray:
+    """exp((row - top) / temperature), unnormalized: in the row's precision through the inverse temperature
+    (float64 exps of a wide row took ~8 ms), or in float64 by division where that inverse overflows it."""
+    with np.errstate(over="ignore"):
+        inverse = row.dtype.type(np.float64(1.0) / temperature)
+    if np.isfinite(inverse):
+        return np.exp((row - top) * inverse)
+    return _exp_scaled(row.astype(np.float64) - float(top), temperature)
+
+
+def _exp_scaled(shifted: np.ndarray, temperature: float) -> np.ndarray:
+    """exp(shifted / temperature) of logits shifted by their maximum (<= 0): a tiny temperature sends all but the
+    best to -inf, whose exp is 0."""
+    with np.errstate(over="ignore"):
+        return np.exp(shifted / temperature)
 
 
 def _floats(logits) -> np.ndarray:

@@ -341,7 +341,16 @@ class Scheduler:
         return True
 
     def _accept(self, slot: _Slot, logits: np.ndarray) -> None:
-        """Sample the next token of slot's request from logits, emit it, and finish the request if it is done."""
+        """Sample the next token of slot's request from logits, emit it, and finish the request if it is done. A
+        failure here (sampling, detokenizing) ends this request alone: the batch goes on."""
+        try:
+            self._sample(slot, logits)
+        except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
+            if slot.request is not None:
+                slot.text = None  # its detokenizer may be what failed
+                self._finish(slot, "error", error=f"sampling failed: {type(e).__name__}: {e}")
+
+    def _sample(self, slot: _Slot, logits: np.ndarray) -> None:
         req = slot.request
         previous = (req.prompt + slot.out_ids) if req.params.repetition_penalty != 1.0 else []
         tok = slot.sampler(logits, previous)
