@@ -60,9 +60,9 @@ def describe_components(ir) -> list[str]:
         f"layers        {ir.n_layer}   d_model {ir.n_embd}   {lay.wiring.value} block, norms: attn {norm(lay.attn_norm)}, "
         f"ffn {norm(lay.ffn_norm)}, post {norm(lay.attn_post_norm)}/{norm(lay.ffn_post_norm)}"
         + (f", residual x{lay.residual_scale:g}" if lay.residual_scale != 1.0 else ""),
-        *_attention_lines(ir, norm)[:1],
+        *_attention_lines(ir, norm)[0],
         *_mlp_lines(ir),
-        *_attention_lines(ir, norm)[1:],
+        *_attention_lines(ir, norm)[1],
         f"embedding     scale {ir.embedding.scale:g}" + (", learned positions" if ir.embedding.positions else ""),
         f"vocabulary    {ir.n_vocab}   context {ir.n_ctx_train}   output "
         f"{'tied to token_embd' if ir.output.tied else ir.output.weight}"
@@ -71,10 +71,11 @@ def describe_components(ir) -> list[str]:
     ]
 
 
-def _attention_lines(ir, norm) -> list[str]:
-    """Attention (heads, scale, extras), then RoPE and windows; one line where no layer attends."""
+def _attention_lines(ir, norm) -> tuple[list[str], list[str]]:
+    """(attention: heads per geometry, scale, extras; RoPE, windows and how layers share caches and inputs), one
+    line where no layer attends."""
     if not ir.attention_layers:
-        return ["attention     none: every layer mixes tokens otherwise"]
+        return ["attention     none: every layer mixes tokens otherwise"], []
     att = ir.attention_layers[0].attention
     rope = att.rope
     extras = [
@@ -86,16 +87,46 @@ def _attention_lines(ir, norm) -> list[str]:
     ]
     rotating = [x.attention.rope.style.value != "none" for x in ir.attention_layers]
     windows = sorted({x.attention.sliding_window for x in ir.attention_layers})
+    # one line per head geometry where layers differ in it (gemma4's sliding and global layers)
+    sizes = {}
+    for x in ir.attention_layers:
+        a = x.attention
+        sizes.setdefault((a.n_head, a.n_kv_head, a.head_dim, a.rope.dim, a.rope.scaling.value), []).append(x.index)
+    heads = [
+        f"{n} query heads, {kv} KV heads, head size {d}" + (f" (layers {where})" if len(sizes) > 1 else "")
+        for (n, kv, d, _, _), where in sizes.items()
+    ]
+    ropes = "; ".join(
+        f"dims {dims}, scaling {scaling}" + (f" (layers {where})" if len(sizes) > 1 else "")
+        for (_, _, _, dims, scaling), where in sizes.items()
+    )
+    shared = {x.index: x.attention.kv_layer for x in ir.attention_layers if x.attention.kv_layer not in (None, x.index)}
+    first = ir.layers[0]
+    extra = (
+        (
+            [f"kv sharing    layers {list(shared)} attend to the caches of layers {list(shared.values())}"]
+            if shared
+            else []
+        )
+        + (
+            [f"per-layer     inputs of {ir.per_layer_input.width} per layer, added after the MLP through a gate"]
+            if first.per_layer_gate
+            else []
+        )
+        + (["out scale     each layer's output times its layer_output_scale"] if first.out_scale else [])
+    )
     return [
-        f"attention     {att.n_head} query heads, {att.n_kv_head} KV heads, head size {att.head_dim}, "
-        f"scale {att.score_scale:.6g}" + "".join(f", {e}" for e in extras if e),
+        f"attention     {heads[0]}, scale {att.score_scale:.6g}" + "".join(f", {e}" for e in extras if e),
+        *(f"              {h}" for h in heads[1:]),
+    ], [
         f"rope          {rope.style.value if all(rotating) or not any(rotating) else f'{sum(rotating)} of {ir.n_layer} layers'}, "
-        f"dims {rope.dim}, scaling {rope.scaling.value}, bases {sorted({x.attention.rope.base for x in ir.attention_layers})}",
+        f"{ropes}, bases {sorted({x.attention.rope.base for x in ir.attention_layers})}",
         f"windows       {windows} (0 = global)"
         + "".join(f", chunks of {c}" for c in sorted({x.attention.chunk for x in ir.attention_layers} - {0}))
         + (", temperature-tuned queries" if att.temperature else "")
         + (", q/k rms-normed after RoPE" if att.rotated_qk_norm else "")
         + (", output gated per head" if att.output_gate else ""),
+        *extra,
     ]
 
 

@@ -152,6 +152,13 @@ def write_fixture(
         head_dim_mla=int(extra.get("attention.key_length_mla", 0)),
         head_dim_v_mla=int(extra.get("attention.value_length_mla", 0)),
     )
+    hp = _fixture_hparams(arch, extra)
+    if family.model_dims:
+        dims = family.model_dims(hp, dims)
+    layer_dims = [dims] * n_layer  # per layer its sizes, where the family gives them (Family.layer_dims)
+    if family.layer_dims:
+        sliding = family.sliding_layers(hp, n_layer) if family.sliding_layers else [False] * n_layer
+        layer_dims = [family.layer_dims(hp, dims, il, sliding[il]) for il in range(n_layer)]
     mixers = _layer_mixers(family, arch, extra, n_layer)
     ffns = _layer_ffns(family, arch, extra, n_layer)
     n_main = n_layer - (family.mtp_layers(_fixture_hparams(arch, extra)) if family.mtp_layers else 0)
@@ -217,6 +224,8 @@ def write_fixture(
             return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         if role == "sinks":  # logits of the size of the scores, so that the sink takes a real share
             return (1.0 + rng.standard_normal(shape)).astype(np.float32)
+        if role == "scale":  # a layer's output scale
+            return rng.uniform(0.5, 1.5, shape).astype(np.float32)
         raise ValueError(f"{arch} fixture: no values for role {role!r} ({name})")
 
     alternatives = list(dict.fromkeys(t.alternative for t in family.tensors if t.alternative))
@@ -224,12 +233,12 @@ def write_fixture(
     wanted = [t for t in family.tensors if t.alternative in ("", chosen) and (t.required or t.name in spec.optional)]
     scales = dict(spec.scales)
 
-    def scaled(t, name: str) -> np.ndarray:
-        v = values(name, t.role, dims.resolve(t.shape))
+    def scaled(t, name: str, own: Dims) -> np.ndarray:
+        v = values(name, t.role, own.resolve(t.shape))
         return (v * scales[t.name]).astype(v.dtype) if t.name in scales else v
 
-    def add(t, name: str) -> None:
-        values = scaled(t, name)
+    def add(t, name: str, own: Dims = dims) -> None:
+        values = scaled(t, name, own)
         encoded = encode(name, t.role, values) if encode is not None else None
         if encoded is None:
             w.add_tensor(name, values)
@@ -241,7 +250,7 @@ def write_fixture(
         add(t, t.name)
     for il in range(n_layer):
         for t in (t for t in wanted if t.per_layer and t.in_layer(il, mixers, ffns, n_main)):
-            add(t, t.name.format(il=il))
+            add(t, t.name.format(il=il), layer_dims[il])
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -85,7 +85,8 @@ class TensorBinding:
     nbytes: int
     # "linear" (y = x @ W.T, W is (n_out, n_in)), "embedding" (rows read by token id; also the tied
     # output projection), "position_embedding" (rows read by position), "norm", "bias", "rope_factors",
-    # "experts" (3-D expert stacks), "sinks" (attention sink logits, one per query head)
+    # "experts" (3-D expert stacks), "sinks" (attention sink logits, one per query head), "scale" (a scalar that
+    # multiplies a layer's output)
     role: str
     # True when alchemist's kernels can use the tensor in its GGUF block format (a quantized matrix of a
     # type alchemist.kernels supports, read by the graph only as a projection or an embedding)
@@ -358,6 +359,16 @@ class AltUpLayerSpec:
 
 
 @dataclass(frozen=True)
+class PerLayerGateSpec:
+    """A layer's per-layer input added to its output (gemma4): x + norm(proj(act(inp_gate · x) · input)), the
+    input this layer's share of ModelIR.per_layer_input."""
+
+    inp_gate: str  # inp_gate.weight (width, n_embd)
+    proj: str  # proj.weight (n_embd, width)
+    post_norm: NormSpec
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     index: int
     wiring: Wiring
@@ -373,6 +384,10 @@ class LayerSpec:
     deltanet: DeltaNetSpec | None = field(default=None, metadata=LATER)  # the token mixer when attention is None
     altup: AltUpLayerSpec | None = field(default=None, metadata=LATER)  # with Wiring.ALTUP
     laurel: LaurelSpec | None = field(default=None, metadata=LATER)
+    # the layer's per-layer input, added after the MLP (gemma4; gemma3n adds it inside AltUp)
+    per_layer_gate: PerLayerGateSpec | None = field(default=None, metadata=LATER)
+    # layer_output_scale.weight (1,): multiplies the layer's output, the residual stream (gemma4)
+    out_scale: str | None = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True)
@@ -384,7 +399,7 @@ class EmbeddingSpec:
 
 @dataclass(frozen=True)
 class PerLayerInputSpec:
-    """gemma3n's per-layer inputs: for every layer a vector of `width` from the token (a row of token_embd,
+    """Per-layer inputs (gemma3n, gemma4): for every layer a vector of `width` from the token (a row of token_embd,
     n_layer · width wide, times token_scale) and from the scaled embedding (model_proj · x · proj_scale, RMS-normed
     per layer), summed and times sum_scale."""
 
@@ -405,7 +420,6 @@ class AltUpSpec:
     n_streams: int
     proj: str  # altup_proj.weight (n_streams - 1, n_embd, n_embd)
     unembd_proj: str  # altup_unembd_proj.weight (n_streams - 1, n_embd, n_embd)
-    per_layer_input: PerLayerInputSpec
 
 
 @dataclass(frozen=True)
@@ -441,6 +455,8 @@ class ModelIR:
     # its own way (lfm2)
     tap_names: tuple[tuple[str, str], ...] = field(default=(), metadata=LATER)
     altup: AltUpSpec | None = field(default=None, metadata=LATER)
+    # each layer's own input (gemma3n: added to AltUp's other streams; gemma4: a layer's per_layer_gate)
+    per_layer_input: PerLayerInputSpec | None = field(default=None, metadata=LATER)
     # the GGUF metadata the family read, key -> value (a per-layer array as ("ndarray", dtype, values)): with the
     # tensor inventory, what rebuilds this IR (the generated module carries it as METADATA for its audit)
     metadata: tuple[tuple[str, object], ...] = field(default=(), metadata=LATER)

@@ -144,7 +144,8 @@ def swap_reshape(text: str, pair: tuple[int, int]) -> str:
     from alchemist.audit.graph import load_isolated
 
     src = ModuleSource.parse(text, "m.py")
-    namespace, done = vars(load_isolated(text, "m.py")), []
+    # the constants, and layer 0's sizes where the module has them per layer (N_HEAD[il])
+    namespace, done = {**vars(load_isolated(text, "m.py")), "il": 0}, []
 
     def value(node):
         try:

@@ -40,7 +40,7 @@ def test_every_family_has_a_fixture_and_the_issue_list_is_covered():
         "llama", "qwen2", "qwen3", "gemma3", "gemma", "gemma2", "phi3", "granite", "olmo2", "smollm3",
         "starcoder2", "gpt2", "stablelm", "internlm2", "exaone", "exaone4", "command-r", "cohere2", "lfm2",
         "qwen3moe", "gpt-oss", "gemma3n", "mistral3", "lfm2moe", "glm4moe", "llama4", "granitehybrid",
-        "qwen35", "qwen35moe", "qwen3next", "nemotron_h", "deepseek2", "mamba2", "falcon-h1",
+        "qwen35", "qwen35moe", "qwen3next", "nemotron_h", "deepseek2", "mamba2", "falcon-h1", "gemma4",
     }  # fmt: skip
     assert set(FAMILIES) == set(FAMILY_VALUES) == wanted
     for case in FIXTURES:
@@ -134,6 +134,8 @@ def test_quirks_name_what_differs_from_llama(fixture_irs):
     assert quirks(fixture_irs["deepseek2:lite"])[0] == "latent attention (one cached row of 288)"
     assert quirks(fixture_irs["mamba2"]) == ["Mamba-2 layers (3 of 3)", "no attention", "no MLP", "untied output"]
     assert quirks(fixture_irs["falcon-h1"])[:2] == ["attention and Mamba-2 side by side in every layer", "NEOX RoPE"]
+    assert {"RoPE frequency factors on some layers", "head sizes and KV heads per layer", "MLP widths per layer",
+            "gated per-layer inputs", "layer output scale", "shared KV caches"} <= set(quirks(fixture_irs["gemma4"]))  # fmt: skip
 
 
 def test_readme_table_is_generated_from_current_results(fixture_irs):

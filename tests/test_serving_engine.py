@@ -63,6 +63,8 @@ SLOT_CASES = [
     ("llama4", "F32", "c"),
     # latent attention: one cached row per position for every head; group-limited routing
     ("deepseek2", "F32", "c"),
+    # caches of two row shapes (sliding and global heads), two of them shared by later layers; per-layer inputs
+    ("gemma4", "F32", "c"),
 ]
 
 

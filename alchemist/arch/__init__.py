@@ -14,6 +14,7 @@ from alchemist.arch import (
     gemma2,
     gemma3,
     gemma3n,
+    gemma4,
     glm4moe,
     gpt2,
     gpt_oss,
@@ -80,6 +81,7 @@ FAMILY_MODULES = (
     deepseek2,
     mamba2,
     falcon_h1,
+    gemma4,
 )
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in FAMILY_MODULES}
 

@@ -53,11 +53,13 @@ def read_dims(
     latent: bool = False,
     ffn: bool = True,
     ssm: bool = False,
+    per_layer: bool = False,
 ) -> Dims:
     """The dimensions the tensor table names; `mixers` (a hybrid's per-layer token mixers) makes head_count_kv
     per layer and reads the convolution length; `latent` reads multi-head latent attention's sizes; without
     attention layers (a pure Mamba-2) the attention sizes, and without any MLP (ffn False) its width, are 0; `ssm`
-    reads Mamba-2's sizes for layers that have it beside attention."""
+    reads Mamba-2's sizes for layers that have it beside attention; `per_layer` (a family with Family.layer_dims)
+    takes layer 0's KV head count and FFN width where the file gives them per layer."""
     path, arch = facts.path, hp.arch
     n_embd = hp.int("embedding_length", minimum=1)
     if mixers is not None and "attention" not in mixers:
@@ -77,10 +79,14 @@ def read_dims(
     n_head = hp.int("attention.head_count", minimum=1)
     if n_head > n_embd:
         raise GGUFError(path, f"{arch}.attention.head_count", f"{n_head} heads for an embedding of only {n_embd}")
-    n_kv_head = hp.int("attention.head_count_kv", default=n_head, minimum=1) if mixers is None else 0
+    n_kv_head = hp.int("attention.head_count_kv", default=n_head, minimum=1) if mixers is None and not per_layer else 0
+    n_layer = hp.int("block_count", minimum=1)
+    if per_layer:
+        counts = hp.ints("attention.head_count_kv", n_layer)
+        n_kv_head = counts[0] if counts else hp.int("attention.head_count_kv", default=n_head, minimum=1)
     if mixers is not None:
         n_kv_head = _attention_kv_heads(facts, hp, n_head, mixers)
-    if n_head % n_kv_head:
+    if n_kv_head < 1 or n_head % n_kv_head:
         raise GGUFError(path, f"{arch}.attention.head_count_kv", f"{n_kv_head} does not divide head_count {n_head}")
     head_dim = hp.int("attention.key_length", default=n_embd // n_head, minimum=1)
     head_dim_v = hp.int("attention.value_length", default=n_embd // n_head, minimum=1)
@@ -97,7 +103,7 @@ def read_dims(
         n_head=n_head,
         n_kv_head=n_kv_head,
         head_dim=head_dim,
-        n_ff=_ffn_width(facts, hp) if ffn else 0,
+        n_ff=(_first_width(hp, n_layer) if per_layer else _ffn_width(facts, hp)) if ffn else 0,
         rope_dim=rope_dim,
         n_ctx=hp.int("context_length", minimum=1),
         conv_kernel=hp.int("shortconv.l_cache", minimum=2) if mixers and "conv" in mixers else 0,
@@ -164,6 +170,28 @@ def _ffn_width(facts: GGUFFacts, hp: Hparams) -> int:
     return used[0]
 
 
+def _first_width(hp: Hparams, n_layer: int) -> int:
+    """feed_forward_length of layer 0 (a family whose layers have their own widths: Family.layer_dims)."""
+    widths = hp.ints("feed_forward_length", n_layer)
+    return widths[0] if widths else hp.int("feed_forward_length", minimum=1)
+
+
+def _check_layer_dims(facts: GGUFFacts, hp: Hparams, layer_dims: list[Dims]) -> None:
+    """Each layer's attention sizes as llama.cpp requires them: KV heads that divide the query heads, RoPE over an
+    even number of dims within the head."""
+    for il, d in enumerate(layer_dims):
+        if d.n_kv_head < 1 or d.n_head % d.n_kv_head:
+            raise GGUFError(
+                facts.path, hp.key("attention.head_count_kv"), f"layer {il}: {d.n_kv_head} KV heads for {d.n_head}"
+            )
+        if d.rope_dim % 2 or d.rope_dim > d.head_dim or d.head_dim < 1:
+            raise GGUFError(
+                facts.path,
+                hp.key("rope.dimension_count"),
+                f"layer {il}: {d.rope_dim} RoPE dims for heads of {d.head_dim}",
+            )
+
+
 def _ssm_dims(facts: GGUFFacts, hp: Hparams) -> dict:
     """A Mamba-2 or delta-net mixer's sizes (llama_hparams ssm_d_conv, ssm_d_inner, ssm_d_state, ssm_dt_rank as
     the head count, ssm_n_group: a delta-net's v and k heads), checked to divide as llama.cpp splits them."""
@@ -214,11 +242,13 @@ def bind_tensors(
     mixers: list[str] | None = None,
     ffns: list[str] | None = None,
     n_main: int | None = None,
+    layer_dims: list[Dims] | None = None,
 ) -> dict[str, TensorBinding]:
     """Every tensor of the file bound to its table entry, checked for shape; missing or unknown ones refused.
     A per-layer entry of one token mixer (a hybrid's) belongs to the layers of `mixers` that mix that way, one of
     an FFN kind to the layers of `ffns` with that FFN. Of the n_layer blocks, those from n_main on are
-    multi-token-prediction layers: they hold the NextN entries too, and are bound as tensors nothing reads."""
+    multi-token-prediction layers: they hold the NextN entries too, and are bound as tensors nothing reads. A
+    block's tensors take their shapes from its `layer_dims` where the family gives them."""
     n_main = n_layer if n_main is None else n_main
     bindings: dict[str, TensorBinding] = {}
     missing: list[str] = []
@@ -238,7 +268,8 @@ def bind_tensors(
             )
         for name, il in zip(names, layers if spec.per_layer else [0]):
             if name in present:
-                binding = _binding(facts, name, spec, dims.resolve(spec.shape))
+                own = layer_dims[il] if layer_dims and spec.per_layer else dims
+                binding = _binding(facts, name, spec, own.resolve(spec.shape))
                 bindings[name] = (
                     dataclasses.replace(binding, read=False) if spec.per_layer and il >= n_main else binding
                 )
@@ -509,7 +540,17 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
     n_blocks = hp.int("block_count", minimum=1)
     ffns = family.layer_ffns(hp, n_blocks) if family.layer_ffns else None
     has_ffn = ffns is None or any(kind != "none" for kind in ffns)
-    dims = read_dims(facts, hp, mixers, latent=family.latent_attention, ffn=has_ffn, ssm=family.parallel_ssm)
+    dims = read_dims(
+        facts,
+        hp,
+        mixers,
+        latent=family.latent_attention,
+        ffn=has_ffn,
+        ssm=family.parallel_ssm,
+        per_layer=family.layer_dims is not None,
+    )
+    if family.model_dims:
+        dims = family.model_dims(hp, dims)
     n_mtp = family.mtp_layers(hp) if family.mtp_layers else 0
     if not 0 <= n_mtp < n_blocks:
         raise GGUFError(
@@ -524,18 +565,22 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             raise GGUFError(facts.path, f"{family.name}.expert_feed_forward_length", f"must be >= 1, got {n_ff_exp}")
         n_ff_shexp = family.moe.shared_width(hp, n_ff_exp)
         dims = dataclasses.replace(dims, n_expert=router.n_expert, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp)
-    bindings = bind_tensors(facts, family, dims, n_blocks, mixers, ffns, n_main=n_layer)
-    bound = set(bindings)
-    table = {spec.suffix: spec for spec in family.tensors}
-
-    rope_fields = rope_scaling(facts, hp, family, bound, dims)
-    rope_base = hp.float("rope.freq_base", default=10000.0, positive=True)
     sliding = family.sliding_layers(hp, n_layer) if family.sliding_layers else [False] * n_layer
     chunk = family.attention_chunk(hp)  # a family's local layers attend within chunks instead of sliding
     chunked = [s and chunk > 0 for s in sliding]
     sliding = [s and not chunk for s in sliding]
     window = hp.int("attention.sliding_window", default=family.default_window) if any(sliding) else 0
     sliding = [s and window > 0 for s in sliding]
+    layer_dims = None
+    if family.layer_dims:
+        layer_dims = [family.layer_dims(hp, dims, il, il < n_layer and sliding[il]) for il in range(n_blocks)]
+        _check_layer_dims(facts, hp, layer_dims[:n_layer])
+    bindings = bind_tensors(facts, family, dims, n_blocks, mixers, ffns, n_main=n_layer, layer_dims=layer_dims)
+    bound = set(bindings)
+    table = {spec.suffix: spec for spec in family.tensors}
+
+    rope_fields = rope_scaling(facts, hp, family, bound, dims)
+    rope_base = hp.float("rope.freq_base", default=10000.0, positive=True)
     swa_rope = family.swa_rope(hp, rope_base, rope_fields["freq_scale"]) if family.swa_rope else None
     attends = mixers is None or "attention" in mixers
     score_scale = (
@@ -656,16 +701,17 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             fields.update(base=swa_rope[0], freq_scale=swa_rope[1])
         if sliding[il] and family.swa_plain_rope:
             fields.update(scaling=RopeScaling.NONE, freq_factors=None, attn_factor=1.0, ext_factor=0.0)
-        rope = RopeSpec(style=family.rope if rotates else RopeStyle.NONE, dim=dims.rope_dim, **fields)
+        own = layer_dims[il] if layer_dims else dims  # this layer's sizes
+        rope = RopeSpec(style=family.rope if rotates else RopeStyle.NONE, dim=own.rope_dim, **fields)
         latent = _latent(facts, dims, present, block_norm) if family.latent_attention else None
         attention = AttentionSpec(
-            n_head=dims.n_head,
-            n_kv_head=dims.n_kv_head,
-            head_dim=dims.head_dim,
-            head_dim_v=dims.kv_lora if latent else dims.head_dim,
+            n_head=own.n_head,
+            n_kv_head=own.n_kv_head,
+            head_dim=own.head_dim,
+            head_dim_v=dims.kv_lora if latent else own.head_dim,
             rope=rope,
             sliding_window=window if sliding[il] else 0,
-            score_scale=score_scale,
+            score_scale=family.score_scale(hp, own.head_dim) if layer_dims else score_scale,
             out="attn_output.weight",
             qkv=attention_qkv,
             q=present("attn_q.weight") if latent is None else None,  # a latent attention's is its own
@@ -688,12 +734,15 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
             output_gate=family.gated_attention,
             latent=latent,
         )
+        mlp = mlp_of[il]
+        if layer_dims and mlp is not None and mlp.router is None:
+            mlp = dataclasses.replace(mlp, n_ff=own.n_ff)
         layers.append(
             LayerSpec(
                 index=il,
                 wiring=wiring,
                 attention=attention,
-                mlp=mlp_of[il],
+                mlp=mlp,
                 attn_norm=block_norm("attn_norm.weight"),
                 ffn_norm=ffn_norm,
                 attn_post_norm=attn_post_norm,

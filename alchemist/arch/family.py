@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from alchemist import libm
-from alchemist.arch.table import TensorSpec
+from alchemist.arch.table import Dims, TensorSpec
 from alchemist.errors import GGUFError, UnsupportedModelError
 from alchemist.gguf_io import GGUFFacts
 from alchemist.ir import Activation, AttentionTemperature, Gating, ModelIR, NormKind, RopeStyle, Wiring
@@ -150,6 +150,22 @@ def recurrent_where_no_kv_heads(recurrent: str) -> Callable[[Hparams, int], list
         return [recurrent if n == 0 else "attention" for n in counts]
 
     return mixers
+
+
+def shared_kv_source(il: int, sliding: list[bool], kv_from_start: int, where: str) -> int:
+    """llama.cpp's create_memory reuse rule (gemma3n, gemma4): layers from kv_from_start on attend to the cache of
+    layer kv_from_start - 2 (sliding) or kv_from_start - 1 (global), which must be of that kind; the others to
+    their own."""
+    if il < kv_from_start:
+        return il
+    src = kv_from_start - (2 if sliding[il] else 1)
+    kind = "sliding" if sliding[il] else "global"
+    if src < 0 or sliding[src] != sliding[il]:
+        raise UnsupportedModelError(
+            f"{where} layer {il} ({kind}) shares the KV cache of layer {src}, which is not a {kind} layer "
+            f"(llama.cpp reads layer {kv_from_start - 2} for sliding and {kv_from_start - 1} for global layers)"
+        )
+    return src
 
 
 def inverse_sqrt_head_dim(hp: Hparams, head_dim: int) -> float:
@@ -311,6 +327,11 @@ class Family:
     ffn_norm: str = "ffn_norm.weight"  # the pre-FFN norm's tensor (gpt-oss: post_attention_norm.weight)
     moe: ExpertRouting = ExpertRouting()
     # (hp, ir) -> ir: components beyond the classic block, added to what build_ir made (gemma3n's AltUp)
+    # the model's dimensions as the family adjusts them (gemma4: its per-layer inputs' width from the file)
+    model_dims: Callable[[Hparams, Dims], Dims] | None = None
+    # per layer its dimensions where they differ by layer (gemma4: sliding and global layers' head sizes, KV heads
+    # and FFN widths per layer): (hp, the model's dims, il, sliding) -> the layer's Dims; shapes and specs follow
+    layer_dims: Callable[[Hparams, Dims, int, bool], Dims] | None = None
     components: Callable[[Hparams, ModelIR], ModelIR] | None = None
     fixture: FixtureSpec = FixtureSpec()
     notes: tuple[str, ...] = field(default=())

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from alchemist.arch.family import Family, FixtureSpec, Hparams, every_nth_dense
+from alchemist.arch.family import Family, FixtureSpec, Hparams, every_nth_dense, shared_kv_source
 from alchemist.arch.table import (
     ALTUP,
     ALTUP_STREAMS,
@@ -61,21 +61,6 @@ INV_SQRT2 = float(np.float32(1.0) / np.sqrt(np.float32(2.0)))  # 1.0f / sqrtf(2.
 KV_SHARED = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")  # loaded on KV-sharing layers, never applied
 
 
-def _kv_layer(il: int, sliding: list[bool], path: str) -> int:
-    """llama.cpp's create_memory reuse rule: layers from KV_FROM_START on read the cache of layer
-    KV_FROM_START - 2 (sliding) or KV_FROM_START - 1 (global), which must be of that kind."""
-    if il < KV_FROM_START:
-        return il
-    src = KV_FROM_START - (2 if sliding[il] else 1)
-    if sliding[src] != sliding[il]:
-        kind = "sliding" if sliding[il] else "global"
-        raise UnsupportedModelError(
-            f"{path}: gemma3n layer {il} ({kind}) shares the KV cache of layer {src}, which is not {kind} "
-            "(llama.cpp requires layer 18 sliding and layer 19 global)"
-        )
-    return src
-
-
 def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
     rms = lambda weight: NormSpec(NormKind.RMS, weight)  # noqa: E731
     sliding = [lay.attention.sliding_window > 0 for lay in ir.layers]
@@ -85,7 +70,9 @@ def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
     for lay in ir.layers:
         il = lay.index
         attention = dataclasses.replace(
-            lay.attention, kv_layer=_kv_layer(il, sliding, hp.facts.path), v_norm=NormSpec(NormKind.RMS, None)
+            lay.attention,
+            kv_layer=shared_kv_source(il, sliding, KV_FROM_START, f"{hp.facts.path}: gemma3n"),
+            v_norm=NormSpec(NormKind.RMS, None),
         )
         mlp = dataclasses.replace(lay.mlp, sparsity_std=SPARSITY_STD if il < SPARSE_LAYERS else 0.0)
         altup = AltUpLayerSpec(
@@ -101,9 +88,7 @@ def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
         )
         laurel = LaurelSpec("laurel_l.weight", "laurel_r.weight", rms("laurel_post_norm.weight"), INV_SQRT2)
         layers.append(
-            dataclasses.replace(
-                lay, wiring=Wiring.ALTUP, attention=attention, mlp=mlp, altup=altup, laurel=laurel
-            )
+            dataclasses.replace(lay, wiring=Wiring.ALTUP, attention=attention, mlp=mlp, altup=altup, laurel=laurel)
         )
     # K/V projections of a KV-sharing layer are loaded (llama.cpp requires them) but never applied
     unread = {f"blk.{lay.index}.{s}" for lay in layers if lay.attention.kv_layer != lay.index for s in KV_SHARED}
@@ -117,8 +102,8 @@ def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
         proj_scale=float(np.float32(1.0) / np.sqrt(np.float32(ir.n_embd))),
         sum_scale=INV_SQRT2,
     )
-    altup = AltUpSpec(ALTUP_STREAMS, "altup_proj.weight", "altup_unembd_proj.weight", per_layer)
-    return dataclasses.replace(ir, layers=tuple(layers), tensors=tensors, altup=altup)
+    altup = AltUpSpec(ALTUP_STREAMS, "altup_proj.weight", "altup_unembd_proj.weight")
+    return dataclasses.replace(ir, layers=tuple(layers), tensors=tensors, altup=altup, per_layer_input=per_layer)
 
 
 def _layer_kinds(n_layer: int) -> tuple[bool, ...]:
@@ -185,4 +170,3 @@ FAMILY = Family(
         scales=_scales(0.3),
     ),
 )
-

@@ -81,6 +81,8 @@ class Dims:
     kv_lora: int = 0
     head_dim_mla: int = 0
     head_dim_v_mla: int = 0
+    # per-layer inputs' width where the file says it (gemma4's embedding_length_per_layer_input; 0: gemma3n's constant)
+    n_embd_per_layer: int = 0
 
     def resolve(self, shape: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.size(name) for name in shape)
@@ -98,8 +100,8 @@ class Dims:
             "n_altup": ALTUP_STREAMS,
             "n_altup_in": ALTUP_STREAMS - 1,
             "n_altup_sq": ALTUP_STREAMS * ALTUP_STREAMS,
-            "per_layer_width": PER_LAYER_WIDTH,
-            "per_layer_all": self.n_layer * PER_LAYER_WIDTH,
+            "per_layer_width": self.n_embd_per_layer or PER_LAYER_WIDTH,
+            "per_layer_all": self.n_layer * (self.n_embd_per_layer or PER_LAYER_WIDTH),
             "laurel_rank": LAUREL_RANK,
             # Mamba-2: in_proj gives [z | x B C | dt]; the convolution runs over x B C
             "ssm_in": 2 * self.ssm_inner + 2 * self.ssm_group * self.ssm_state + self.ssm_head,
@@ -329,22 +331,28 @@ ATTN_MLA_Q_LORA = optional(
 
 # attention sinks (gpt-oss): one logit per query head, F32
 ATTN_SINKS = (T(_blk("attn_sinks.weight"), "sinks", "n_head"),)
-# gemma3n (llama-model.cpp's gemma3n tensors): AltUp streams, per-layer inputs and LAuReL
-ALTUP = (
-    T("altup_proj.weight", "linear", "n_altup_in", "n_embd", "n_embd"),
-    T("altup_unembd_proj.weight", "linear", "n_altup_in", "n_embd", "n_embd"),
+# per-layer inputs (gemma3n, gemma4): a table read by token and a projection of the embedding, per layer a gate
+PER_LAYER_INPUTS = (
     T("per_layer_token_embd.weight", "embedding", "n_vocab", "per_layer_all"),
     T("per_layer_model_proj.weight", "linear", "per_layer_all", "n_embd"),
     T("per_layer_proj_norm.weight", "norm", "per_layer_width"),
     T(_blk("inp_gate.weight"), "linear", "per_layer_width", "n_embd"),
     T(_blk("proj.weight"), "linear", "n_embd", "per_layer_width"),
     T(_blk("post_norm.weight"), "norm", "n_embd"),
+)
+# gemma3n (llama-model.cpp's gemma3n tensors): AltUp streams, per-layer inputs and LAuReL
+ALTUP = (
+    T("altup_proj.weight", "linear", "n_altup_in", "n_embd", "n_embd"),
+    T("altup_unembd_proj.weight", "linear", "n_altup_in", "n_embd", "n_embd"),
+    *PER_LAYER_INPUTS,
     T(_blk("altup_correct_coef.weight"), "linear", "n_altup", "n_altup"),
     T(_blk("altup_correct_scale.weight"), "norm", "n_embd"),
     T(_blk("altup_predict_coef.weight"), "linear", "n_altup_sq", "n_altup"),
     T(_blk("altup_router.weight"), "linear", "n_altup", "n_embd"),
     T(_blk("altup_router_norm.weight"), "norm", "n_embd"),
 )
+# gemma4: a scalar per layer that multiplies its output
+LAYER_OUT_SCALE = (T(_blk("layer_output_scale.weight"), "scale", "one"),)
 LAUREL = (
     T(_blk("laurel_l.weight"), "linear", "laurel_rank", "n_embd"),
     T(_blk("laurel_r.weight"), "linear", "n_embd", "laurel_rank"),

@@ -411,10 +411,10 @@ class HeadLayouts:
 
     def __init__(self, b: Build, heads: list[tuple[int, int, int]]):
         self.b, self.f, self.splits, self.merges = b, [], 0, 0
-        self.widths = {}
+        self.widths = {}  # width -> the head layouts a projection of it may split into (layers' sizes may differ)
         for n_head, n_kv, d in heads:
-            self.widths.setdefault(n_head * d, ("head", n_head, n_kv, d))
-            self.widths.setdefault(n_kv * d, ("kv", n_kv, n_kv, d))
+            self.widths.setdefault(n_head * d, []).append(("head", n_head, n_kv, d))
+            self.widths.setdefault(n_kv * d, []).append(("kv", n_kv, n_kv, d))
         self.layout: dict = {}
         self.weighty = set(b.weights.values())
 
@@ -487,15 +487,16 @@ class HeadLayouts:
         # regrouped beside an unchanged last one
         grown = tuple(new_shape[out.ndim - x.ndim :]) == tuple(shape) or (new_shape[-1] == shape[-1] and any(lay[:-1]))
         if lay and lay[-1] is None and shape[-1] in self.widths and out.ndim > x.ndim and not grown:
-            kind, n, n_kv, d = self.widths[shape[-1]]
+            split = new_shape[x.ndim - 1 :]
+            layouts = self.widths[shape[-1]]
+            kind, n, n_kv, d = next((c for c in layouts if split in _head_splits(*c)), layouts[0])
             if None in new_shape or new_shape[: x.ndim - 1] != shape[:-1]:
                 self.finding(
                     f"a reshape {shape} -> {new_shape} splits a projection of width {shape[-1]} = {n}·{d} "
                     "without static leading shapes"
                 )
                 return None
-            split = new_shape[x.ndim - 1 :]
-            if split not in ((n, d), (n_kv, n // n_kv, d) if kind == "head" else (n, d)):
+            if split not in _head_splits(kind, n, n_kv, d):
                 self.finding(
                     f"a reshape splits a projection of width {shape[-1]} into {split}, not ({n} heads, "
                     f"{d} head_dim)" + (f" or kv-major ({n_kv}, {n // n_kv}, {d})" if kind == "head" else "")
@@ -539,7 +540,8 @@ class HeadLayouts:
     def split(self, kind, a, b):
         if kind in ("dim", "?", "mix"):
             return (kind, a), (kind, b)
-        want = [(n_kv, n // n_kv) for k, n, n_kv, _ in self.widths.values() if k == "head" and n == a * b]
+        layouts = [c for cs in self.widths.values() for c in cs]
+        want = [(n_kv, n // n_kv) for k, n, n_kv, _ in layouts if k == "head" and n == a * b]
         if kind == "head" and (a, b) in want:
             return ("kv", a), ("group", b)
         self.finding(
@@ -621,6 +623,11 @@ class HeadLayouts:
             batch = self.merge(node.outputs[0], [la[:-2] + (None, None), lb[:-2] + (None, None)])[:-2]
             return batch + (la[-2], lb[-1])
         return None
+
+
+def _head_splits(kind: str, n: int, n_kv: int, d: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes a projection of n heads of d may split into: (heads, head_dim), and kv-major for query heads."""
+    return ((n, d), (n_kv, n // n_kv, d)) if kind == "head" else ((n, d),)
 
 
 def check_heads(ctx: Context, g: "GraphAudit"):

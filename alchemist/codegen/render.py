@@ -91,11 +91,16 @@ def _environment() -> jinja2.Environment:
 
 def _structure(layer: LayerSpec) -> LayerSpec:
     """A layer with its per-layer numbers blanked: what must be the same in every layer to share one block()."""
-    att, mlp = layer.attention, layer.mlp and dataclasses.replace(layer.mlp, sparsity_std=0.0)
+    att, mlp = layer.attention, layer.mlp
+    if mlp is not None:  # per layer: N_FF where widths differ (the dense MLP's; experts have one width)
+        mlp = dataclasses.replace(mlp, sparsity_std=0.0, n_ff=0 if mlp.router is None else mlp.n_ff)
     if att is None:  # a hybrid's layer mixing tokens otherwise, or not at all
         return dataclasses.replace(layer, index=0, mlp=mlp)
-    rope = dataclasses.replace(att.rope, base=0.0, freq_scale=0.0, style=RopeStyle.NONE)
-    att = dataclasses.replace(att, chunk=0)  # per layer: ATTENTION_CHUNK
+    rope = dataclasses.replace(att.rope, base=0.0, freq_scale=0.0, style=RopeStyle.NONE, dim=0)  # dim: ROPE_DIM
+    if rope.scaling is RopeScaling.LLAMA3:  # which layers divide by the frequency factors: ROPE_FACTOR_LAYERS
+        rope = dataclasses.replace(rope, scaling=RopeScaling.NONE, freq_factors=None)
+    # per layer where they differ: ATTENTION_CHUNK; the head counts and sizes (N_HEAD, N_KV_HEAD, HEAD_DIM)
+    att = dataclasses.replace(att, chunk=0, n_head=0, n_kv_head=0, head_dim=0, head_dim_v=0)
     kv_layer = None if att.kv_layer is None else -1  # which cache: per layer (KV_CACHE_OF); whether: the same
     return dataclasses.replace(
         layer,
@@ -193,8 +198,31 @@ def check_renderable(ir: ModelIR) -> None:
     if att is None and (ir.altup is not None or first.wiring is not Wiring.SINGLE or _ffn_kinds(ir) != (None, None)):
         problems.append("a model without attention outside a single-sublayer block of Mamba-2 alone")
     problems += _altup_problems(ir) if att is not None else []
+    problems += _per_layer_problems(ir, att)
     if problems:
         raise UnsupportedModelError(f"{ir.source_file}: the templates cannot render " + "; ".join(problems))
+
+
+def _per_layer_problems(ir: ModelIR, att) -> list[str]:
+    """What the templates cannot render of sizes that differ by layer, per-layer inputs and output scales."""
+    first, problems = ir.layers[0], []
+    if _varying_heads(ir) and (att.kv_layer is None or att.latent is not None or ir.altup is not None or _hybrid(ir)):
+        problems.append("head counts or sizes that differ by layer outside the shared-KV attention of a plain block")
+    if _varying_ffn(ir) and (first.mlp.kind is not MLPKind.GATED or any(_sparsity(lay) for lay in ir.layers)):
+        problems.append("MLP widths that differ by layer outside a gated MLP without sparsity")
+    gated = [lay.per_layer_gate is not None for lay in ir.layers]
+    plain = first.wiring is Wiring.SEQUENTIAL and ir.altup is None
+    if any(gated) and not (all(gated) and plain and ir.per_layer_input is not None):
+        problems.append("per-layer input gates need every layer of a sequential block and the per-layer inputs")
+    if ir.per_layer_input is not None and ir.altup is None and not any(gated):
+        problems.append("per-layer inputs that no layer adds")
+    if first.out_scale and not plain:
+        problems.append("a layer output scale outside a sequential block")
+    return problems
+
+
+def _hybrid(ir: ModelIR) -> bool:
+    return any(x is not None for x in (_conv(ir), _ssm(ir), _deltanet(ir))) or ir.layers[0].wiring is Wiring.SINGLE
 
 
 def _attention_problems(att) -> list[str]:
@@ -352,14 +380,24 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         ("N_EMBD", ir.n_embd, ""),
         ("N_LAYER", ir.n_layer, ""),
     ]
-    if att is not None:
+    if att is not None and _varying_heads(ir):
+        rows += [
+            ("N_HEAD", tuple(_per_attention(ir, lambda a: a.n_head, 0)), "per layer"),
+            ("N_KV_HEAD", tuple(_per_attention(ir, lambda a: a.n_kv_head, 0)), "per layer"),
+            ("HEAD_DIM", tuple(_per_attention(ir, lambda a: a.head_dim, 0)), "per layer"),
+            ("GROUP_SIZE", tuple(_per_attention(ir, lambda a: a.group_size, 0)), "per layer: query heads per KV head"),
+        ]
+    elif att is not None:
         rows += [
             ("N_HEAD", att.n_head, ""),
             ("N_KV_HEAD", att.n_kv_head, ""),
             ("HEAD_DIM", att.head_dim, ""),
             ("GROUP_SIZE", att.group_size, "query heads sharing one KV head"),
         ]
-    if mlp is not None:
+    if mlp is not None and _varying_ffn(ir):
+        widths = tuple(lay.mlp.n_ff if lay.mlp is not None and lay.mlp.router is None else 0 for lay in ir.layers)
+        rows.append(("N_FF", widths, "per layer"))
+    elif mlp is not None:
         rows.append(("N_FF", mlp.n_ff, ""))
     rows += [("CONTEXT_LENGTH", ir.n_ctx_train, ""), ("NORM_EPS", ir.norm_eps, "")]
     if att is not None:
@@ -400,7 +438,13 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         chunks = tuple(_per_attention(ir, lambda a: a.chunk, 0))
         rows.append(("ATTENTION_CHUNK", chunks, "per layer: attends within chunks of this many positions; 0: none"))
     if style is not RopeStyle.NONE:
-        rows.append(("ROPE_DIM", att.rope.dim, f"leading dims of each head that RoPE rotates ({style.value} style)"))
+        if _varying_heads(ir):
+            dims = tuple(_per_attention(ir, lambda a: a.rope.dim, 0))
+            rows.append(("ROPE_DIM", dims, f"per layer: leading dims of each head RoPE rotates ({style.value} style)"))
+        else:
+            rows.append(
+                ("ROPE_DIM", att.rope.dim, f"leading dims of each head that RoPE rotates ({style.value} style)")
+            )
         rows.append(("ROPE_BASE", tuple(_per_attention(ir, lambda a: a.rope.base, 0.0)), "per layer"))
         rows.append(("ROPE_FREQ_SCALE", tuple(_per_attention(ir, lambda a: a.rope.freq_scale, 0.0)), "per layer"))
         rope = att.rope
@@ -414,6 +458,9 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
             rows.append(("YARN_BETA_SLOW", rope.beta_slow, ""))
         if rope.scaling in (RopeScaling.YARN, RopeScaling.LONGROPE):
             rows.append(("ROPE_ORIG_CTX", rope.n_ctx_orig, "the context the model was originally trained for"))
+        factor_layers = _rope_factor_layers(ir)
+        if factor_layers is not None:
+            rows.append(("ROPE_FACTOR_LAYERS", factor_layers, "per layer: whether it divides by the frequency factors"))
         rotates = tuple(_per_attention(ir, lambda a: a.rope.style is not RopeStyle.NONE, False))
         if not all(lay.attention.rope.style is not RopeStyle.NONE for lay in ir.attention_layers):
             rows.append(("ROPE_LAYERS", rotates, "per layer: whether it applies RoPE"))
@@ -471,6 +518,8 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         ]
     if ir.tap_names:
         rows.append(("TAP_NAMES", ir.tap_names, "(tap, llama.cpp's name for that tensor in this family's graph)"))
+    if att is not None and _varying_heads(ir):
+        rows.append(("LAYER_CACHES", ir.layer_caches(), "per KV cache: (kind, shape of a position's row)"))
     if att is not None and att.kv_layer is not None:
         rows.append(("N_KV_CACHE", len(ir.kv_cache_layers), "KV caches: fewer than layers when layers share them"))
         rows.append(("KV_CACHE_OF", ir.kv_cache_of, "per layer: the KV cache its attention reads"))
@@ -480,17 +529,43 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         sparsity = tuple(_sparsity(lay) for lay in ir.layers)
         rows.append(("ACTIVATION_SPARSITY", sparsity, "per layer, see gaussian_topk; 0: dense"))
     if ir.altup is not None:
-        pli, al = ir.altup.per_layer_input, first.altup
         rows += [
             ("N_ALTUP", ir.altup.n_streams, "residual streams (AltUp); stream 0 is the active one"),
-            ("ALTUP_ROUTER_SCALE", al.router_scale, "multiplies the router's normed input"),
-            ("PER_LAYER_WIDTH", pli.width, "size of each layer's per-layer input"),
-            ("PER_LAYER_TOKEN_SCALE", pli.token_scale, "multiplies the per-layer token embeddings"),
-            ("PER_LAYER_PROJ_SCALE", pli.proj_scale, "multiplies the per-layer projection of the embedding"),
-            ("PER_LAYER_INPUT_SCALE", pli.sum_scale, "multiplies their sum"),
+            ("ALTUP_ROUTER_SCALE", first.altup.router_scale, "multiplies the router's normed input"),
+            *_per_layer_input_rows(ir),
             ("LAUREL_JOIN_SCALE", first.laurel.join_scale, "(attention + LAuReL) are joined times this"),
         ]
+    elif ir.per_layer_input is not None:
+        rows += _per_layer_input_rows(ir)
     return rows
+
+
+def _per_layer_input_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
+    pli = ir.per_layer_input
+    return [
+        ("PER_LAYER_WIDTH", pli.width, "size of each layer's per-layer input"),
+        ("PER_LAYER_TOKEN_SCALE", pli.token_scale, "multiplies the per-layer token embeddings"),
+        ("PER_LAYER_PROJ_SCALE", pli.proj_scale, "multiplies the per-layer projection of the embedding"),
+        ("PER_LAYER_INPUT_SCALE", pli.sum_scale, "multiplies their sum"),
+    ]
+
+
+def _varying_heads(ir: ModelIR) -> bool:
+    """Whether the attention layers differ in their head counts or sizes (gemma4's sliding and global layers)."""
+    sizes = {(lay.attention.n_head, lay.attention.n_kv_head, lay.attention.head_dim) for lay in ir.attention_layers}
+    return len(sizes | {0}) > 2 or len({lay.attention.rope.dim for lay in ir.attention_layers}) > 1
+
+
+def _varying_ffn(ir: ModelIR) -> bool:
+    """Whether the dense MLPs differ in width (gemma4's double-wide MLPs of the KV-sharing layers)."""
+    return len({lay.mlp.n_ff for lay in ir.layers if lay.mlp is not None and lay.mlp.router is None}) > 1
+
+
+def _rope_factor_layers(ir: ModelIR) -> tuple[bool, ...] | None:
+    """Per layer whether its RoPE divides by frequency factors, where only some layers do (gemma4's global
+    layers), else None."""
+    flags = tuple(_per_attention(ir, lambda a: a.rope.freq_factors is not None, False))
+    return flags if len({f for f, lay in zip(flags, ir.layers) if lay.attention is not None}) > 1 else None
 
 
 def _per_attention(ir: ModelIR, value, other) -> list:
@@ -517,7 +592,12 @@ def template_context(ir: ModelIR) -> dict:
     norm_kinds = sorted({n.kind.value for n in norms if n is not None} | ({"rms"} if rotated_qk_norm else set()))
     dense, moe = _ffn_kinds(ir)
     mixed = dense is not None and moe is not None
-    if att is not None:
+    if att is not None and _varying_heads(ir):
+        summary = (
+            f"{ir.n_layer} layers, d_model {ir.n_embd}, query and KV heads and their size per layer (N_HEAD, "
+            f"N_KV_HEAD, HEAD_DIM), vocabulary {ir.n_vocab}."
+        )
+    elif att is not None:
         summary = (
             f"{ir.n_layer} layers, d_model {ir.n_embd}, {att.n_head} query heads / {att.n_kv_head} KV heads of size "
             f"{att.head_dim}, vocabulary {ir.n_vocab}."
@@ -547,14 +627,22 @@ def template_context(ir: ModelIR) -> dict:
             f"\n{n_ssm} of the layers mix tokens with Mamba-2: {ssm.n_head} heads of {ssm.head_dim}, state "
             f"{ssm.n_state}, {ssm.n_group} groups."
         )
+    # the first attention layer that divides by RoPE frequency factors (gemma4's global layers), else the first's
+    factored = next((lay.attention for lay in ir.attention_layers if lay.attention.rope.freq_factors), None)
     altup = ir.altup is not None
     if altup:
         n_sparse = sum(1 for lay in ir.layers if _sparsity(lay))
         n_shared = ir.n_layer - len(ir.kv_cache_layers)
         summary += (
-            f"\nAltUp: {ir.altup.n_streams} residual streams; a per-layer input of {ir.altup.per_layer_input.width} "
+            f"\nAltUp: {ir.altup.n_streams} residual streams; a per-layer input of {ir.per_layer_input.width} "
             f"for every layer; LAuReL beside attention;\n{n_sparse} layers with activation sparsity; "
             f"{n_shared} layers attending to an earlier layer's KV cache."
+        )
+    if ir.per_layer_input is not None and not altup:
+        n_shared = ir.n_layer - len(ir.kv_cache_layers)
+        summary += (
+            f"\nA per-layer input of {ir.per_layer_input.width} for every layer, added after its MLP; {n_shared} "
+            "layers attending to an earlier layer's KV cache."
         )
     return dict(
         attention_template=(
@@ -562,7 +650,9 @@ def template_context(ir: ModelIR) -> dict:
             if att is None
             else "attention_latent" if att.latent else "attention" if att.kv_layer is None else "attention_shared_kv"
         ),
-        block_components=(["laurel"] if first.laurel else []) + (["altup"] if altup else []),
+        block_components=(["laurel"] if first.laurel else [])
+        + (["altup"] if altup else [])
+        + (["per_layer_gate"] if first.per_layer_gate else []),
         forward_template="forward_altup" if altup else "forward",
         sparse_mlp=any(_sparsity(lay) for lay in ir.layers),
         altup=ir.altup,
@@ -588,17 +678,16 @@ def template_context(ir: ModelIR) -> dict:
         ssm=ssm,
         deltanet=deltanet,
         recurrent=ssm is not None or deltanet is not None,
-        hybrid=conv is not None
-        or ssm is not None
-        or deltanet is not None
-        or first.wiring is Wiring.SINGLE
-        or att is not None
-        and att.latent is not None,
+        hybrid=_hybrid(ir) or att is not None and att.latent is not None,
         latent=att.latent if att is not None else None,
         side_by_side=ssm is not None and all(lay.attention is not None for lay in ir.layers),
         tap_names=bool(ir.tap_names),
-        rope_factors=att.rope.freq_factors if att is not None else None,
-        rope_scaling=att.rope.scaling.value if att is not None else None,
+        rope_factors=factored.rope.freq_factors if factored is not None else None,
+        rope_scaling=(factored or att).rope.scaling.value if att is not None else None,
+        rope_factor_layers=_rope_factor_layers(ir) is not None,
+        varying_heads=att is not None and _varying_heads(ir),
+        per_layer_input=ir.per_layer_input,
+        kv_shared=att is not None and att.kv_layer is not None,
         rope_factors_short=att.rope.freq_factors_short if att is not None else None,
         rope_attn_factor=att.rope.attn_factor if att is not None else 1.0,
         layer=first,

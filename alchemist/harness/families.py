@@ -93,6 +93,11 @@ def quirks(ir: ModelIR) -> list[str]:
             out.append("partial rotary")
         if att.rope.scaling is not RopeScaling.NONE:
             out.append(f"{att.rope.scaling.value} RoPE scaling")
+        factored = {x.attention.rope.freq_factors is not None for x in ir.attention_layers}
+        if factored == {True, False}:
+            out.append("RoPE frequency factors on some layers")
+    if len({(x.attention.n_kv_head, x.attention.head_dim) for x in ir.attention_layers}) > 1:
+        out.append("head sizes and KV heads per layer")
     if any(x.attention.sliding_window for x in ir.attention_layers):
         out.append("sliding window")
     if any(x.attention.chunk for x in ir.attention_layers):
@@ -118,10 +123,16 @@ def quirks(ir: ModelIR) -> list[str]:
         out.append("MLP bias")
     if any(x.sparsity_std for x in mlps):
         out.append("activation sparsity")
+    if len({x.n_ff for x in mlps if x.router is None}) > 1:
+        out.append("MLP widths per layer")
     if ir.altup is not None:
         out.append(f"AltUp ({ir.altup.n_streams} streams) with per-layer inputs")
     if lay.laurel is not None:
         out.append("LAuReL")
+    if lay.per_layer_gate is not None:
+        out.append("gated per-layer inputs")
+    if lay.out_scale is not None:
+        out.append("layer output scale")
     if n_mtp := len(ir.unapplied_blocks):
         out.append(f"{n_mtp} multi-token-prediction layer{'s' if n_mtp > 1 else ''} (unused)")
     if len(ir.kv_cache_layers) < ir.n_layer:

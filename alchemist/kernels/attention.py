@@ -381,9 +381,11 @@ def ggml_causal_attention(module):
     variant = attention_variant(module)
     if variant is None:
         return None
-    n_head, n_kv_head, head_dim = int(module.N_HEAD), int(module.N_KV_HEAD), int(module.HEAD_DIM)
+    per_layer = isinstance(module.HEAD_DIM, tuple)  # sizes that differ by layer: the layer's, from q and keys
+    sizes = None if per_layer else (int(module.N_HEAD), int(module.N_KV_HEAD), int(module.HEAD_DIM))
 
     def causal_attention(q, keys, values, q_positions, key_positions, window, *sinks):
+        n_head, n_kv_head, head_dim = sizes or (q.type.shape[1], keys.type.shape[2], q.type.shape[2])
         op = CausalAttentionGgml(n_head, n_kv_head, head_dim, window, **variant)
         return op(q, keys, values, q_positions, key_positions, *sinks)
 

@@ -372,7 +372,9 @@ def ggml_rope_functions(module):
     style = rope_style(module)
     if style is None or not hasattr(module, "rope_angles"):
         return None
-    n_dims = int(module.ROPE_DIM)
+    n_dims = module.ROPE_DIM  # an int, or one per layer (heads whose sizes differ by layer)
+    dims_of = (lambda il: int(n_dims[il])) if isinstance(n_dims, tuple) else (lambda il: int(n_dims))
+    factor_layers = getattr(module, "ROPE_FACTOR_LAYERS", None)  # the layers that divide by rope_freqs, if not all
     tensors = getattr(module, "TENSORS", {})
     attn = float(getattr(module, "ROPE_ATTN_FACTOR", 1.0))
     yarn = hasattr(module, "YARN_EXT_FACTOR")
@@ -395,25 +397,27 @@ def ggml_rope_functions(module):
             )
         return p
 
-    def factors(w, n_ctx=None):
+    def factors(w, il: int, n_ctx=None):
         if longrope:
             return w["rope_factors_long.weight" if n_ctx > module.ROPE_ORIG_CTX else "rope_factors_short.weight"]
+        if factor_layers is not None and not factor_layers[il]:
+            return None
         return w["rope_freqs.weight"] if "rope_freqs.weight" in tensors else None
 
     if longrope:
 
         def rope_angles(w, il: int, positions, n_ctx: int):
             """ggml's (tokens, ROPE_DIM/2, 2) (cos, sin) cache of layer il (alchemist.kernels.rope)."""
-            return rope_cache_ggml(positions, n_dims, module.ROPE_BASE[il], factors(w, n_ctx), **params(il))
+            return rope_cache_ggml(positions, dims_of(il), module.ROPE_BASE[il], factors(w, il, n_ctx), **params(il))
 
     else:
 
         def rope_angles(w, il: int, positions):
             """ggml's (tokens, ROPE_DIM/2, 2) (cos, sin) cache of layer il (alchemist.kernels.rope)."""
-            return rope_cache_ggml(positions, n_dims, module.ROPE_BASE[il], factors(w), **params(il))
+            return rope_cache_ggml(positions, dims_of(il), module.ROPE_BASE[il], factors(w, il), **params(il))
 
     def rope(x, angles):
         """x (tokens, heads, HEAD_DIM) rotated with rope_angles' cache, as ggml rotates (alchemist.kernels.rope)."""
-        return rope_ggml(x, angles, style, n_dims)
+        return rope_ggml(x, angles, style, 2 * int(angles.type.shape[1]))  # the cache (T, n_dims / 2, 2)
 
     return rope_angles, rope

@@ -1,0 +1,205 @@
+"""Gemma 4 (text): llama.cpp src/models/gemma4.cpp (llama_model_gemma4).
+
+Gemma 3's block (embeddings times sqrt(n_embd), sandwich norms, q/k RMSNorm per head before NEOX RoPE, a GELU
+(tanh) gated MLP, sliding-window layers with their own RoPE base, rope.freq_base_swa) with kq scale 1 and values
+RMS-normed without a weight, and:
+- per-layer sizes: the sliding layers' heads are attention.key_length_swa wide (RoPE over
+  rope.dimension_count_swa), the global layers' attention.key_length (RoPE over rope.dimension_count); KV heads
+  and FFN widths may be given per layer (head_count_kv: the global layers' own count; feed_forward_length: the
+  double-wide MLP of the KV-sharing layers);
+- "proportional" RoPE on the global layers: rope_freqs.weight divides their frequencies (the converter writes 1e30
+  for the dims it leaves unrotated); the sliding layers rotate without it;
+- KV sharing: the last attention.shared_kv_layers layers compute only queries and attend to the cache of layer
+  n_layer - shared - 2 (sliding) or - 1 (global), gemma3n's rule;
+- per-layer inputs (embedding_length_per_layer_input > 0): gemma3n's (a row of per_layer_token_embd by token times
+  sqrt(width), plus per_layer_model_proj of the scaled embedding / sqrt(n_embd), RMS-normed by
+  per_layer_proj_norm, summed, / sqrt 2), each added after its layer's MLP through the layer's gate:
+  x + post_norm(proj(gelu(inp_gate · x) · input));
+- layer_output_scale: a scalar multiplying each layer's output;
+- final logit softcapping (final_logit_softcapping, llama_hparams' default 30).
+Norm weights multiply as stored (the converter adds no +1). The mixture-of-experts files (26B-A4B: a router with
+its own input scale, experts beside the dense MLP) and those whose global layers take values from their keys (no
+attn_v) are not supported: their tensors are refused by name.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from alchemist.arch.family import Family, FixtureSpec, Hparams, every_nth_dense, shared_kv_source
+from alchemist.arch.table import (
+    ATTN_NORM,
+    ATTN_OUT,
+    ATTN_POST_NORM,
+    ATTN_QKV_SPLIT,
+    FFN_GATED,
+    FFN_NORM,
+    FFN_POST_NORM,
+    LAYER_OUT_SCALE,
+    OUTPUT,
+    OUTPUT_NORM,
+    PER_LAYER_INPUTS,
+    QK_NORM_HEAD,
+    ROPE_FREQS,
+    TOKEN_EMBD,
+    Dims,
+    optional,
+)
+from alchemist.errors import UnsupportedModelError
+from alchemist.ir import (
+    Activation,
+    ModelIR,
+    NormKind,
+    NormSpec,
+    PerLayerGateSpec,
+    PerLayerInputSpec,
+    RopeStyle,
+)
+
+INV_SQRT2 = float(np.float32(1.0) / np.sqrt(np.float32(2.0)))  # 1.0f / sqrtf(2.0f)
+KV_SHARED = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")  # loaded on KV-sharing layers, never applied
+
+
+def _model_dims(hp: Hparams, dims: Dims) -> Dims:
+    return dataclasses.replace(dims, n_embd_per_layer=hp.int("embedding_length_per_layer_input", default=0))
+
+
+def _layer_dims(hp: Hparams, dims: Dims, il: int, sliding: bool) -> Dims:
+    """Layer il's sizes: a sliding layer's heads and RoPE dims from the _swa keys; KV heads and FFN width from
+    their per-layer arrays where the file has them."""
+    kv_heads = hp.ints("attention.head_count_kv", dims.n_layer)
+    widths = hp.ints("feed_forward_length", dims.n_layer)
+    head_dim, rope_dim = dims.head_dim, dims.rope_dim
+    if sliding:
+        head_dim = hp.int("attention.key_length_swa", minimum=1)
+        if hp.int("attention.value_length_swa", default=head_dim) != head_dim:
+            raise UnsupportedModelError(f"{hp.facts.path}: gemma4 needs key_length_swa == value_length_swa")
+        rope_dim = hp.int("rope.dimension_count_swa", default=rope_dim)
+    return dataclasses.replace(
+        dims,
+        n_kv_head=kv_heads[il] if kv_heads else dims.n_kv_head,
+        n_ff=widths[il] if widths else dims.n_ff,
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+    )
+
+
+def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
+    where = f"{hp.facts.path}: gemma4"
+    sliding = [lay.attention.sliding_window > 0 for lay in ir.layers]
+    kv_from_start = ir.n_layer - hp.int("attention.shared_kv_layers", default=0)
+    if not 0 <= kv_from_start <= ir.n_layer:
+        raise UnsupportedModelError(f"{where}: attention.shared_kv_layers exceeds the {ir.n_layer} layers")
+    bound = {t.name for t in ir.tensors}
+    width = hp.int("embedding_length_per_layer_input", default=0)
+    if width and "per_layer_token_embd.weight" not in bound:
+        raise UnsupportedModelError(f"{where}: per-layer inputs of {width} without per_layer_token_embd.weight")
+    gate = PerLayerGateSpec("inp_gate.weight", "proj.weight", NormSpec(NormKind.RMS, "post_norm.weight"))
+    layers = []
+    for lay in ir.layers:
+        il = lay.index
+        attention = dataclasses.replace(
+            lay.attention,
+            kv_layer=shared_kv_source(il, sliding, kv_from_start, where),
+            v_norm=NormSpec(NormKind.RMS, None),
+        )
+        layers.append(
+            dataclasses.replace(
+                lay,
+                attention=attention,
+                per_layer_gate=gate if width else None,
+                out_scale="layer_output_scale.weight" if f"blk.{il}.layer_output_scale.weight" in bound else None,
+            )
+        )
+    # K/V projections of a KV-sharing layer are loaded (llama.cpp requires them where present) but never applied
+    unread = {f"blk.{lay.index}.{s}" for lay in layers if lay.attention.kv_layer != lay.index for s in KV_SHARED}
+    tensors = tuple(dataclasses.replace(t, read=False) if t.name in unread else t for t in ir.tensors)
+    per_layer = None
+    if width:
+        per_layer = PerLayerInputSpec(
+            token_embd="per_layer_token_embd.weight",
+            model_proj="per_layer_model_proj.weight",
+            proj_norm=NormSpec(NormKind.RMS, "per_layer_proj_norm.weight"),
+            width=width,
+            token_scale=float(np.sqrt(np.float32(width))),
+            proj_scale=float(np.float32(1.0) / np.sqrt(np.float32(ir.n_embd))),
+            sum_scale=INV_SQRT2,
+        )
+    return dataclasses.replace(ir, layers=tuple(layers), tensors=tensors, per_layer_input=per_layer)
+
+
+def _scales(branch: float) -> tuple[tuple[str, float], ...]:
+    """Fixture value scales (gemma3n's reasons): q norms down so that kq scale 1 over unit-RMS heads makes no
+    softmax sharp enough to amplify llama.cpp's rounding layer after layer; gates up so that most GELU inputs lie
+    outside (-10, 10), where llama.cpp's FP16 GELU table is exact; each branch's post-norm times `branch`."""
+    return (
+        ("blk.{il}.attn_q_norm.weight", 0.0625),
+        ("blk.{il}.ffn_gate.weight", 50.0),
+        ("blk.{il}.inp_gate.weight", 40.0),
+        ("blk.{il}.post_norm.weight", branch),
+        ("blk.{il}.post_attention_norm.weight", branch),
+        ("blk.{il}.post_ffw_norm.weight", branch),
+    )
+
+
+FAMILY = Family(
+    name="gemma4",
+    tensors=TOKEN_EMBD
+    + OUTPUT_NORM
+    + OUTPUT
+    + ROPE_FREQS
+    + ATTN_NORM
+    + ATTN_QKV_SPLIT
+    + ATTN_OUT
+    + QK_NORM_HEAD
+    + ATTN_POST_NORM
+    + FFN_NORM
+    + FFN_GATED
+    + FFN_POST_NORM
+    + optional(*PER_LAYER_INPUTS)
+    + optional(*LAYER_OUT_SCALE),
+    rope=RopeStyle.NEOX,
+    activation=Activation.GELU_TANH,
+    score_scale=lambda hp, head_dim: 1.0,  # f_attention_scale: q and k are RMS-normed
+    embedding_scale=lambda hp: math.sqrt(hp.int("embedding_length")),
+    final_softcap=lambda hp: hp.float("final_logit_softcapping", default=30.0, positive=True),
+    sliding_layers=every_nth_dense(6),
+    swa_rope=lambda hp, base, scale: (hp.float("rope.freq_base_swa", default=10000.0, positive=True), 1.0),
+    swa_plain_rope=True,  # rope_freqs (the global layers' proportional RoPE) is not the sliding layers'
+    model_dims=_model_dims,
+    layer_dims=_layer_dims,
+    components=_components,
+    # E2B's shape, scaled down: 6 layers, layers 3 and 5 global (heads of 64, one KV head, RoPE divided by
+    # rope_freqs) and the others sliding (heads of 32, two KV heads); the last 2 layers share the KV caches of
+    # layers 2 and 3 and have MLPs twice as wide; per-layer inputs of 16; values scaled as _scales says
+    fixture=FixtureSpec(
+        vocab="spm",
+        n_layer=6,
+        optional=(
+            "rope_freqs.weight",
+            "per_layer_token_embd.weight",
+            "per_layer_model_proj.weight",
+            "per_layer_proj_norm.weight",
+            "blk.{il}.inp_gate.weight",
+            "blk.{il}.proj.weight",
+            "blk.{il}.post_norm.weight",
+            "blk.{il}.layer_output_scale.weight",
+        ),
+        metadata=(
+            ("attention.sliding_window", 8),
+            ("attention.sliding_window_pattern", (True, True, True, False, True, False)),
+            ("attention.key_length_swa", 32),
+            ("attention.value_length_swa", 32),
+            ("rope.dimension_count_swa", 32),
+            ("rope.freq_base_swa", 1000.0),
+            ("attention.head_count_kv", (2, 2, 2, 1, 2, 1)),
+            ("feed_forward_length", (512, 512, 512, 512, 1024, 1024)),
+            ("attention.shared_kv_layers", 2),
+            ("embedding_length_per_layer_input", 16),
+            ("final_logit_softcapping", 30.0),
+        ),
+        embedding_std=0.5,
+        scales=_scales(0.3),
+    ),
+)

@@ -1,0 +1,92 @@
+"""gemma4: heads of their own sizes per layer kind, proportional RoPE on the global layers, KV sharing, gated
+per-layer inputs and output scales (the fixture's validation against llama.cpp, layer by layer, is in
+tests/test_validation.py; its slot engine in tests/test_serving_engine.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    from alchemist.fixtures import write_fixture
+    from alchemist.harness.validate import load_for_validation
+
+    return load_for_validation(str(write_fixture(tmp_path_factory.mktemp("gemma4") / "m.gguf", "gemma4")))
+
+
+def test_each_layer_caches_rows_of_its_own_heads(loaded):
+    """Sliding layers cache 2 KV heads of 32, global ones 1 of 64; the last two layers own no cache and read those
+    of layers 2 and 3 (the engine allocates four, of their owners' shapes)."""
+    from alchemist.runtime.engine import Engine
+
+    module = loaded.module
+    assert module.HEAD_DIM == (32, 32, 32, 64, 32, 64) and module.N_KV_HEAD == (2, 2, 2, 1, 2, 1)
+    assert module.ROPE_DIM == module.HEAD_DIM and module.ROPE_FACTOR_LAYERS == (False, False, False, True, False, True)
+    assert module.KV_CACHE_OF == (0, 1, 2, 3, 2, 3) and module.N_FF == (512,) * 4 + (1024,) * 2
+    engine = Engine(module, loaded.weights_for("c"), backend="c", capacity=16)
+    shapes = [tuple(c.get_value(borrow=True).shape) for layer in engine.cache for c in layer]
+    assert shapes == [(16, 2, 32)] * 6 + [(16, 1, 64)] * 2
+
+
+def test_rope_freqs_turn_only_the_global_layers(loaded, tmp_path):
+    """Halving rope_freqs changes the keys the global layers (3) rotate, not the sliding layers' (0)."""
+    from alchemist.harness.validate import load_for_validation, tap_values
+
+    before = tap_values(loaded.engine("c", 64), PROMPT[:6])
+    halved = load_for_validation(loaded.path)
+    weights = halved.weights_for("c")
+    weights["rope_freqs.weight"] = weights["rope_freqs.weight"] / np.float32(2)
+    after = tap_values(halved.engine("c", 64), PROMPT[:6])
+    assert np.array_equal(before["Kcur_pos-0"], after["Kcur_pos-0"])
+    assert not np.allclose(before["Kcur_pos-3"], after["Kcur_pos-3"])
+
+
+def test_diff_names_the_per_layer_gate(tmp_path, perturbed_weight):
+    """A perturbed per-layer input norm of layer 1 (ours only; the gate and projection before it are scaled away by
+    that RMS norm): the diff names the op that reads it."""
+    from alchemist.fixtures import write_fixture
+    from alchemist.harness import validate as validate_mod
+
+    path = str(write_fixture(tmp_path / "m.gguf", "gemma4"))
+    perturbed_weight("blk.1.post_norm.weight", 1.05)
+    diff = validate_mod.diff_model(path, "c", PROMPT[:6])
+    assert diff["first_divergence"] == "per_layer_embd_out-1"
+
+
+def test_a_mixture_of_experts_file_is_refused_by_name(tmp_path):
+    """The 26B-A4B layout (a router beside the dense MLP) is not rendered: its tensors are named in the refusal."""
+    from alchemist.arch import build_model_ir
+    from alchemist.errors import UnsupportedModelError
+    from alchemist.fixtures import write_fixture
+    from alchemist.gguf_io import read_gguf
+
+    facts = read_gguf(write_fixture(tmp_path / "m.gguf", "gemma4"))
+    facts.tensors["blk.0.ffn_gate_inp.weight"] = facts.tensors["blk.0.attn_q.weight"]
+    with pytest.raises(UnsupportedModelError, match="does not know: 'blk.0.ffn_gate_inp.weight'"):
+        build_model_ir(facts)
+
+
+def test_gemma4_composes_as_a_graph(tmp_path):
+    """alchemist.symbolic over gemma4: log p(ids) equals the engine's, and its gradient reaches a layer's per-layer
+    input gate through the shared KV caches and the output scales."""
+    import pytensor
+
+    from alchemist import load_llm
+    from alchemist.fixtures import write_fixture
+    from alchemist.symbolic import log_prob
+
+    path = write_fixture(tmp_path / "m.gguf", "gemma4")
+    model = load_llm(path, backend="c", context=32, progress=False, numerics="exact")
+    ids = PROMPT[:9]
+    lp = log_prob(model, ids)
+    logits = model.engine.run(ids, 0, all_logits=True).astype(np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    want = sum(logits[i, ids[i + 1]] - logz[i] for i in range(len(ids) - 1))
+    outputs = [lp, pytensor.grad(lp, model.engine.weights["blk.4.inp_gate.weight"])]
+    got, grad = pytensor.function([], outputs, mode="FAST_COMPILE")()  # Python thunks: no C to build
+    assert abs(float(got) - want) < 1e-3 * abs(want)
+    assert np.isfinite(grad).all() and np.abs(grad).sum() > 0
