@@ -57,6 +57,30 @@ def prompt_and_decode_are_llamacpps(llamacpp_bits):
     return check
 
 
+@pytest.fixture(scope="session")
+def composes_as_a_graph():
+    """check(path, weight, ids): alchemist.symbolic's log p(ids) of the model at `path` equals its engine's (exact
+    numerics), and its gradient reaches tensor `weight`, finite and not all zero."""
+
+    def check(path, weight: str, ids: list[int]) -> None:
+        import pytensor
+
+        from alchemist import load_llm
+        from alchemist.symbolic import log_prob
+
+        model = load_llm(path, backend="c", context=32, progress=False, numerics="exact")
+        lp = log_prob(model, ids)
+        logits = model.engine.run(ids, 0, all_logits=True).astype(np.float64)
+        logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        want = sum(logits[i, ids[i + 1]] - logz[i] for i in range(len(ids) - 1))
+        outputs = [lp, pytensor.grad(lp, model.engine.weights[weight])]
+        got, grad = pytensor.function([], outputs, mode="FAST_COMPILE")()  # Python thunks: no C to build
+        assert abs(float(got) - want) < 1e-3 * abs(want)
+        assert np.isfinite(grad).all() and np.abs(grad).sum() > 0
+
+    return check
+
+
 @pytest.fixture
 def perturbed_weight(monkeypatch):
     """perturbed_weight(name, factor): the models alchemist.harness.validate loads (as `alchemist diff` does)

@@ -168,23 +168,9 @@ def test_linear_rope_scaling_is_refused_by_name(tmp_path):
         build_model_ir(facts)
 
 
-def test_latent_attention_composes_as_a_graph(tmp_path):
+def test_latent_attention_composes_as_a_graph(tmp_path, composes_as_a_graph):
     """alchemist.symbolic over deepseek2: log p(ids) equals the engine's, and its gradient reaches each head's
     matrix into the latent (attn_k_b) through the absorbed attention and the group-limited routing."""
-    import pytensor
-
-    from alchemist import load_llm
     from alchemist.fixtures import write_fixture
-    from alchemist.symbolic import log_prob
 
-    path = write_fixture(tmp_path / "m.gguf", "deepseek2")
-    model = load_llm(path, backend="c", context=32, progress=False, numerics="exact")
-    ids = PROMPT[:9]
-    lp = log_prob(model, ids)
-    logits = model.engine.run(ids, 0, all_logits=True).astype(np.float64)
-    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    want = sum(logits[i, ids[i + 1]] - logz[i] for i in range(len(ids) - 1))
-    outputs = [lp, pytensor.grad(lp, model.engine.weights["blk.1.attn_k_b.weight"])]
-    got, grad = pytensor.function([], outputs, mode="FAST_COMPILE")()  # Python thunks: no C to build
-    assert abs(float(got) - want) < 1e-3 * abs(want)
-    assert np.isfinite(grad).all() and np.abs(grad).sum() > 0
+    composes_as_a_graph(write_fixture(tmp_path / "m.gguf", "deepseek2"), "blk.1.attn_k_b.weight", PROMPT[:9])

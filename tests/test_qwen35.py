@@ -134,21 +134,7 @@ def test_qwen3next_layouts_match_llamacpp(case, fixture_files):
     assert _nmse(np.concatenate(steps), ref) < 1e-9
 
 
-def test_the_delta_net_composes_as_a_graph(qwen35_path):
+def test_the_delta_net_composes_as_a_graph(qwen35_path, composes_as_a_graph):
     """alchemist.symbolic over a recurrent model: log p(ids) equals the engine's, and its gradient reaches the
     delta-net's decay rates A through the chunked delta rule."""
-    import pytensor
-
-    from alchemist import load_llm
-    from alchemist.symbolic import log_prob
-
-    model = load_llm(qwen35_path, backend="c", context=32, progress=False, numerics="exact")
-    ids = PROMPT[:9]
-    lp = log_prob(model, ids)
-    logits = model.engine.run(ids, 0, all_logits=True).astype(np.float64)
-    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    want = sum(logits[i, ids[i + 1]] - logz[i] for i in range(len(ids) - 1))
-    outputs = [lp, pytensor.grad(lp, model.engine.weights["blk.1.ssm_a"])]
-    got, grad = pytensor.function([], outputs, mode="FAST_COMPILE")()  # Python thunks: no C to build
-    assert abs(float(got) - want) < 1e-3 * abs(want)
-    assert np.isfinite(grad).all() and np.abs(grad).sum() > 0
+    composes_as_a_graph(qwen35_path, "blk.1.ssm_a", PROMPT[:9])

@@ -168,6 +168,22 @@ def shared_kv_source(il: int, sliding: list[bool], kv_from_start: int, where: st
     return src
 
 
+def gemma_fixture_scales(branch: float) -> tuple[tuple[str, float], ...]:
+    """Fixture value scales of the gemmas with kq scale 1 over RMS-normed q and k (gemma3n, gemma4): q norms down so
+    that unit-RMS heads (scores of ±head_dim) make no softmax sharp enough to amplify the noise of llama.cpp's
+    arithmetic layer after layer; gates up so that most GELU inputs lie outside (-10, 10), where llama.cpp's FP16
+    GELU table is exact; every branch's post-norm times `branch`, so that a layer changes the residual stream by a
+    fraction (a random deep stack of full-size branches is chaotic)."""
+    return (
+        ("blk.{il}.attn_q_norm.weight", 0.0625),
+        ("blk.{il}.ffn_gate.weight", 50.0),
+        ("blk.{il}.inp_gate.weight", 40.0),
+        ("blk.{il}.post_norm.weight", branch),
+        ("blk.{il}.post_attention_norm.weight", branch),
+        ("blk.{il}.post_ffw_norm.weight", branch),
+    )
+
+
 def inverse_sqrt_head_dim(hp: Hparams, head_dim: int) -> float:
     """llama.cpp's default kq_scale, 1/sqrt(head_dim)."""
     return 1.0 / math.sqrt(head_dim)

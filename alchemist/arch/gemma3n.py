@@ -22,7 +22,14 @@ import math
 
 import numpy as np
 
-from alchemist.arch.family import Family, FixtureSpec, Hparams, every_nth_dense, shared_kv_source
+from alchemist.arch.family import (
+    Family,
+    FixtureSpec,
+    Hparams,
+    every_nth_dense,
+    gemma_fixture_scales,
+    shared_kv_source,
+)
 from alchemist.arch.table import (
     ALTUP,
     ALTUP_STREAMS,
@@ -111,24 +118,13 @@ def _layer_kinds(n_layer: int) -> tuple[bool, ...]:
     return tuple(il % 5 < 4 for il in range(n_layer))
 
 
-# Fixture values: router weights scaled up so that the streams really mix (random ones of the usual size give
-# tanh(~0.004)); q norms scaled down so that kq scale 1 over unit-RMS heads (scores of ±64) does not make a softmax
-# that turns llama.cpp's FP16 GELU table (1e-7) into 1e-6 a layer later.
 def _scales(branch: float) -> tuple[tuple[str, float], ...]:
-    """Fixture value scales: router weights up so that the streams really mix (random ones of the usual size give
-    tanh(~0.004)); q norms down so that kq scale 1 over unit-RMS heads (scores of ±64) makes no softmax sharp enough
-    to amplify the noise of llama.cpp's arithmetic layer after layer; gates up so that most GELU inputs lie outside
-    (-10, 10), where llama.cpp's FP16 GELU table is exact; every branch's post-norm times `branch`, so that a layer
-    changes the streams by a fraction (a random deep stack of full-size branches is chaotic)."""
+    """Fixture value scales: the gemmas' (gemma_fixture_scales), router weights up so that the streams really mix
+    (random ones of the usual size give tanh(~0.004)), and LAuReL's post-norm times `branch` too."""
     return (
         ("blk.{il}.altup_router.weight", 64.0),
         ("blk.{il}.altup_correct_coef.weight", 2.0),
-        ("blk.{il}.attn_q_norm.weight", 0.0625),
-        ("blk.{il}.ffn_gate.weight", 50.0),
-        ("blk.{il}.inp_gate.weight", 40.0),
-        ("blk.{il}.post_norm.weight", branch),
-        ("blk.{il}.post_attention_norm.weight", branch),
-        ("blk.{il}.post_ffw_norm.weight", branch),
+        *gemma_fixture_scales(branch),
         ("blk.{il}.laurel_post_norm.weight", branch),
     )
 

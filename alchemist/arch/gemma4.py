@@ -27,7 +27,14 @@ import math
 
 import numpy as np
 
-from alchemist.arch.family import Family, FixtureSpec, Hparams, every_nth_dense, shared_kv_source
+from alchemist.arch.family import (
+    Family,
+    FixtureSpec,
+    Hparams,
+    every_nth_dense,
+    gemma_fixture_scales,
+    shared_kv_source,
+)
 from alchemist.arch.table import (
     ATTN_NORM,
     ATTN_OUT,
@@ -129,20 +136,6 @@ def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
     return dataclasses.replace(ir, layers=tuple(layers), tensors=tensors, per_layer_input=per_layer)
 
 
-def _scales(branch: float) -> tuple[tuple[str, float], ...]:
-    """Fixture value scales (gemma3n's reasons): q norms down so that kq scale 1 over unit-RMS heads makes no
-    softmax sharp enough to amplify llama.cpp's rounding layer after layer; gates up so that most GELU inputs lie
-    outside (-10, 10), where llama.cpp's FP16 GELU table is exact; each branch's post-norm times `branch`."""
-    return (
-        ("blk.{il}.attn_q_norm.weight", 0.0625),
-        ("blk.{il}.ffn_gate.weight", 50.0),
-        ("blk.{il}.inp_gate.weight", 40.0),
-        ("blk.{il}.post_norm.weight", branch),
-        ("blk.{il}.post_attention_norm.weight", branch),
-        ("blk.{il}.post_ffw_norm.weight", branch),
-    )
-
-
 FAMILY = Family(
     name="gemma4",
     tensors=TOKEN_EMBD
@@ -172,7 +165,7 @@ FAMILY = Family(
     components=_components,
     # E2B's shape, scaled down: 6 layers, layers 3 and 5 global (heads of 64, one KV head, RoPE divided by
     # rope_freqs) and the others sliding (heads of 32, two KV heads); the last 2 layers share the KV caches of
-    # layers 2 and 3 and have MLPs twice as wide; per-layer inputs of 16; values scaled as _scales says
+    # layers 2 and 3 and have MLPs twice as wide; per-layer inputs of 16; values scaled as gemma_fixture_scales says
     fixture=FixtureSpec(
         vocab="spm",
         n_layer=6,
@@ -200,6 +193,6 @@ FAMILY = Family(
             ("final_logit_softcapping", 30.0),
         ),
         embedding_std=0.5,
-        scales=_scales(0.3),
+        scales=gemma_fixture_scales(0.3),
     ),
 )
