@@ -79,13 +79,14 @@ def read_dims(
     n_head = hp.int("attention.head_count", minimum=1)
     if n_head > n_embd:
         raise GGUFError(path, f"{arch}.attention.head_count", f"{n_head} heads for an embedding of only {n_embd}")
-    n_kv_head = hp.int("attention.head_count_kv", default=n_head, minimum=1) if mixers is None and not per_layer else 0
     n_layer = hp.int("block_count", minimum=1)
-    if per_layer:
-        counts = hp.ints("attention.head_count_kv", n_layer)
-        n_kv_head = counts[0] if counts else hp.int("attention.head_count_kv", default=n_head, minimum=1)
+    counts = hp.ints("attention.head_count_kv", n_layer) if per_layer else None
     if mixers is not None:
         n_kv_head = _attention_kv_heads(facts, hp, n_head, mixers)
+    elif counts:
+        n_kv_head = counts[0]
+    else:
+        n_kv_head = hp.int("attention.head_count_kv", default=n_head, minimum=1)
     if n_kv_head < 1 or n_head % n_kv_head:
         raise GGUFError(path, f"{arch}.attention.head_count_kv", f"{n_kv_head} does not divide head_count {n_head}")
     head_dim = hp.int("attention.key_length", default=n_embd // n_head, minimum=1)

@@ -218,6 +218,8 @@ def _per_layer_problems(ir: ModelIR, att) -> list[str]:
         problems.append("per-layer inputs that no layer adds")
     if first.out_scale and not plain:
         problems.append("a layer output scale outside a sequential block")
+    if att is not None and att.kv_layer is not None and _hybrid(ir):
+        problems.append("shared KV caches beside other token mixers")
     return problems
 
 
