@@ -102,12 +102,14 @@ def _attention_lines(ir, norm) -> tuple[list[str], list[str]]:
     )
     shared = {x.index: x.attention.kv_layer for x in ir.attention_layers if x.attention.kv_layer not in (None, x.index)}
     first = ir.layers[0]
+    from_keys = [x.index for x in ir.attention_layers if x.attention.q and x.attention.v is None]
     extra = (
         (
             [f"kv sharing    layers {list(shared)} attend to the caches of layers {list(shared.values())}"]
             if shared
             else []
         )
+        + ([f"values        layers {from_keys} take their keys' projection (no attn_v)"] if from_keys else [])
         + (
             [f"per-layer     inputs of {ir.per_layer_input.width} per layer, added after the MLP through a gate"]
             if first.per_layer_gate

@@ -250,7 +250,8 @@ def write_fixture(
         add(t, t.name)
     for il in range(n_layer):
         for t in (t for t in wanted if t.per_layer and t.in_layer(il, mixers, ffns, n_main)):
-            add(t, t.name.format(il=il), layer_dims[il])
+            if t.name.format(il=il) not in spec.absent:
+                add(t, t.name.format(il=il), layer_dims[il])
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

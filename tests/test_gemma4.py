@@ -45,6 +45,21 @@ def test_rope_freqs_turn_only_the_global_layers(loaded, tmp_path):
     assert not np.allclose(before["Kcur_pos-3"], after["Kcur_pos-3"])
 
 
+def test_global_layers_without_attn_v_take_their_values_from_their_keys(tmp_path):
+    """gemma4:k_eq_v (the 31B's layout): the global layers have no attn_v, and their values are their keys'
+    projection (Vcur is Kcur, before the key norm); the sliding layers' are their own. Against llama.cpp: the
+    fixture's validation in tests/test_validation.py."""
+    from alchemist.fixtures import write_fixture
+    from alchemist.harness.validate import load_for_validation, tap_values
+
+    loaded = load_for_validation(str(write_fixture(tmp_path / "m.gguf", "gemma4:k_eq_v")))
+    assert loaded.module.VALUES_FROM_KEYS == (False, False, False, True, False, True)
+    assert "blk.3.attn_v.weight" not in loaded.module.TENSORS and "blk.2.attn_v.weight" in loaded.module.TENSORS
+    taps = tap_values(loaded.engine("c", 64), PROMPT[:6])
+    np.testing.assert_array_equal(taps["Vcur-3"], taps["Kcur-3"])
+    assert not np.allclose(taps["Vcur-2"], taps["Kcur-2"])
+
+
 def test_diff_names_the_per_layer_gate(tmp_path, perturbed_weight):
     """A perturbed per-layer input norm of layer 1 (ours only; the gate and projection before it are scaled away by
     that RMS norm): the diff names the op that reads it."""

@@ -155,7 +155,7 @@ def _rewrite(src: Path, dst: Path, arch: str | None = None, drop: set[str] = fro
 
 def test_unknown_architecture_is_a_clear_error(tiny_gguf, tmp_path):
     p = _rewrite(tiny_gguf("llama"), tmp_path / "mamba.gguf", arch="mamba")
-    with pytest.raises(UnsupportedModelError, match=r"architecture 'mamba' is not supported \(supported: cohere2, command-r, exaone"):
+    with pytest.raises(UnsupportedModelError, match=r"architecture 'mamba' is not supported \(supported: cohere2, command-r, deepseek2, exaone"):
         build_model_ir(read_gguf(p))
 
 

@@ -262,7 +262,7 @@ def bind_tensors(
         present = [n for n in names if n in facts.tensors]
         if spec.required:
             missing += [n for n in names if n not in facts.tensors]
-        elif present and len(present) != len(names):
+        elif present and len(present) != len(names) and not spec.per_layer_choice:
             raise UnsupportedModelError(
                 f"{facts.path}: {spec.suffix} is present in {len(present)} of {len(names)} layers; "
                 "optional tensors must be in every layer or none"

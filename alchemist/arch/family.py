@@ -269,6 +269,7 @@ class FixtureSpec:
     vocab: str = "bpe"  # "spm" (SentencePiece, llama tokenizer) or "bpe" (GPT-2 byte-level)
     metadata: tuple[tuple[str, object], ...] = ()  # extra `<arch>.<key>` values (int -> uint32, float -> float32)
     optional: tuple[str, ...] = ()  # optional tensors (table names) to include, e.g. "output.weight"
+    absent: tuple[str, ...] = ()  # tensors (file names) of those left out, where the table lets a layer go without
     embedding_std: float = 1.0  # spread of the random token embedding
     n_layer: int = 2  # more when the family's layers differ by index (e.g. RoPE on 3 of every 4)
     rope_dim: int | None = None  # partial rotary: fewer than the head's 64 dims

@@ -16,10 +16,11 @@ RMS-normed without a weight, and:
   per_layer_proj_norm, summed, / sqrt 2), each added after its layer's MLP through the layer's gate:
   x + post_norm(proj(gelu(inp_gate · x) · input));
 - layer_output_scale: a scalar multiplying each layer's output;
+- values from keys: a layer without attn_v (the global layers of the larger models, attention_k_eq_v) takes its
+  keys' projection as its values, RMS-normed without a weight like any value;
 - final logit softcapping (final_logit_softcapping, llama_hparams' default 30).
 Norm weights multiply as stored (the converter adds no +1). The mixture-of-experts files (26B-A4B: a router with
-its own input scale, experts beside the dense MLP) and those whose global layers take values from their keys (no
-attn_v) are not supported: their tensors are refused by name.
+its own input scale, experts beside the dense MLP) are not supported: their tensors are refused by name.
 """
 
 import dataclasses
@@ -65,6 +66,8 @@ from alchemist.ir import (
 )
 
 INV_SQRT2 = float(np.float32(1.0) / np.sqrt(np.float32(2.0)))  # 1.0f / sqrtf(2.0f)
+# attn_v where a layer has one: the file chooses per layer (llama.cpp's TENSOR_NOT_REQUIRED)
+ATTN_QKV = ATTN_QKV_SPLIT[:2] + (dataclasses.replace(ATTN_QKV_SPLIT[2], required=False, per_layer_choice=True),)
 KV_SHARED = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")  # loaded on KV-sharing layers, never applied
 
 
@@ -108,6 +111,7 @@ def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
         il = lay.index
         attention = dataclasses.replace(
             lay.attention,
+            v="attn_v.weight" if f"blk.{il}.attn_v.weight" in bound else None,  # None: values from the keys
             kv_layer=shared_kv_source(il, sliding, kv_from_start, where),
             v_norm=NormSpec(NormKind.RMS, None),
         )
@@ -143,7 +147,7 @@ FAMILY = Family(
     + OUTPUT
     + ROPE_FREQS
     + ATTN_NORM
-    + ATTN_QKV_SPLIT
+    + ATTN_QKV
     + ATTN_OUT
     + QK_NORM_HEAD
     + ATTN_POST_NORM
@@ -171,6 +175,7 @@ FAMILY = Family(
         n_layer=6,
         optional=(
             "rope_freqs.weight",
+            "blk.{il}.attn_v.weight",
             "per_layer_token_embd.weight",
             "per_layer_model_proj.weight",
             "per_layer_proj_norm.weight",
@@ -194,5 +199,30 @@ FAMILY = Family(
         ),
         embedding_std=0.5,
         scales=gemma_fixture_scales(0.3),
+        # the 31B's shape: no per-layer inputs, no shared caches, the global layers' values from their keys
+        variants=(
+            (
+                "k_eq_v",
+                FixtureSpec(
+                    vocab="spm",
+                    n_layer=6,
+                    optional=("rope_freqs.weight", "blk.{il}.attn_v.weight", "blk.{il}.layer_output_scale.weight"),
+                    absent=("blk.3.attn_v.weight", "blk.5.attn_v.weight"),
+                    metadata=(
+                        ("attention.sliding_window", 8),
+                        ("attention.sliding_window_pattern", (True, True, True, False, True, False)),
+                        ("attention.key_length_swa", 32),
+                        ("attention.value_length_swa", 32),
+                        ("rope.dimension_count_swa", 32),
+                        ("rope.freq_base_swa", 1000.0),
+                        ("attention.head_count_kv", (2, 2, 2, 1, 2, 1)),
+                        ("embedding_length_per_layer_input", 0),
+                        ("final_logit_softcapping", 30.0),
+                    ),
+                    embedding_std=0.5,
+                    scales=gemma_fixture_scales(0.3),
+                ),
+            ),
+        ),
     ),
 )

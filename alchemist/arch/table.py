@@ -6,7 +6,8 @@ generated module all read this one table; a tensor list is never written anywher
 
 A shape is a tuple of dimension names (numpy order, GGUF `ne` reversed), resolved by `Dims`. A tensor is
 required, or optional (llama.cpp's TENSOR_NOT_REQUIRED): an optional tensor's presence switches on what it
-feeds (a bias, a norm, an untied output), and its presence must be the same in every layer.
+feeds (a bias, a norm, an untied output), and its presence must be the same in every layer (unless the table
+says the file chooses per layer).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class TensorSpec:
     # one of a family's alternatives for a component ("dense" or "moe" FFN): required only in files that have
     # that alternative (the file's layer 0 holds one of its tensors); "" for a tensor of every file
     alternative: str = ""
+    # an optional per-layer tensor the file may have in some layers only (gemma4's attn_v: the global layers of the
+    # larger models take their values from their keys); False: in every layer or none
+    per_layer_choice: bool = False
 
     @property
     def per_layer(self) -> bool:

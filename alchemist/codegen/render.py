@@ -102,6 +102,8 @@ def _structure(layer: LayerSpec) -> LayerSpec:
     # per layer where they differ: ATTENTION_CHUNK; the head counts and sizes (N_HEAD, N_KV_HEAD, HEAD_DIM)
     att = dataclasses.replace(att, chunk=0, n_head=0, n_kv_head=0, head_dim=0, head_dim_v=0)
     kv_layer = None if att.kv_layer is None else -1  # which cache: per layer (KV_CACHE_OF); whether: the same
+    if kv_layer is not None:  # whether its values are its keys' projection: per layer (VALUES_FROM_KEYS)
+        att = dataclasses.replace(att, v=None)
     return dataclasses.replace(
         layer,
         index=0,
@@ -223,6 +225,14 @@ def _per_layer_problems(ir: ModelIR, att) -> list[str]:
     return problems
 
 
+def _values_from_keys(ir: ModelIR) -> str | None:
+    """Which attention layers take their values from their keys' projection, having no v: "all", "some" or None."""
+    if not ir.attention_layers or ir.attention_layers[0].attention.qkv or ir.attention_layers[0].attention.latent:
+        return None
+    without = [lay.attention.v is None for lay in ir.attention_layers]
+    return "all" if all(without) else "some" if any(without) else None
+
+
 def _hybrid(ir: ModelIR) -> bool:
     return any(x is not None for x in (_conv(ir), _ssm(ir), _deltanet(ir))) or ir.layers[0].wiring is Wiring.SINGLE
 
@@ -241,8 +251,10 @@ def _attention_problems(att) -> list[str]:
         problems.append("short RoPE factors outside LongRoPE")
     if att.rope.ext_factor and att.rope.scaling is not RopeScaling.YARN:
         problems.append("a RoPE extrapolation factor outside YaRN")
+    # the shared-KV attention takes a layer's values from its keys' projection where it has no v (gemma4)
+    has_v = att.v or att.kv_layer is not None
     if att.latent is None and (
-        bool(att.qkv) == bool(att.q or att.k or att.v) or not (att.qkv or (att.q and att.k and att.v))
+        bool(att.qkv) == bool(att.q or att.k or att.v) or not (att.qkv or (att.q and att.k and has_v))
     ):
         problems.append("attention needs either a fused qkv projection or all of q, k and v")
     if att.qkv_bias and not att.qkv or (att.q_bias or att.k_bias or att.v_bias) and att.qkv:
@@ -331,8 +343,8 @@ def _altup_problems(ir: ModelIR) -> list[str]:
     if att.v_norm is not None and att.kv_layer is None:
         problems.append("a value norm outside the shared-KV attention")
     if att.kv_layer is not None:
-        if not (att.q and att.k and att.v) or att.q_bias or att.k_bias or att.v_bias or att.out_bias:
-            problems.append("shared-KV attention needs q, k and v projections without biases")
+        if not (att.q and att.k) or att.q_bias or att.k_bias or att.v_bias or att.out_bias:
+            problems.append("shared-KV attention needs q and k (and v) projections without biases")
         if att.q_norm is None or att.v_norm is None or att.qk_norm_scope is not QKNormScope.HEAD:
             problems.append("shared-KV attention needs per-head q/k norms and a value norm")
         if (
@@ -527,6 +539,9 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
         rows.append(("KV_CACHE_OF", ir.kv_cache_of, "per layer: the KV cache its attention reads"))
         writes = tuple(lay.attention.kv_layer == lay.index for lay in ir.layers)
         rows.append(("WRITES_KV", writes, "per layer: computes and caches keys/values"))
+        if _values_from_keys(ir) == "some":
+            from_keys = tuple(_per_attention(ir, lambda a: a.v is None, False))
+            rows.append(("VALUES_FROM_KEYS", from_keys, "per layer: its values are its keys' projection (no attn_v)"))
     if any(_sparsity(lay) for lay in ir.layers):
         sparsity = tuple(_sparsity(lay) for lay in ir.layers)
         rows.append(("ACTIVATION_SPARSITY", sparsity, "per layer, see gaussian_topk; 0: dense"))
@@ -690,6 +705,8 @@ def template_context(ir: ModelIR) -> dict:
         varying_heads=att is not None and _varying_heads(ir),
         per_layer_input=ir.per_layer_input,
         kv_shared=att is not None and att.kv_layer is not None,
+        values_from_keys=_values_from_keys(ir),
+        att_v=next((lay.attention.v for lay in ir.attention_layers if lay.attention.v), None),
         rope_factors_short=att.rope.freq_factors_short if att is not None else None,
         rope_attn_factor=att.rope.attn_factor if att is not None else 1.0,
         layer=first,

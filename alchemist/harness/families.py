@@ -74,6 +74,9 @@ def quirks(ir: ModelIR) -> list[str]:
     if att.q_norm is not None:
         scope = "full width" if att.qk_norm_scope is QKNormScope.FULL else "per head"
         out.append(f"q/k {att.q_norm.kind.value} norm {scope}")
+    from_keys = [x.index for x in ir.attention_layers if x.attention.q and x.attention.v is None]
+    if from_keys:
+        out.append("values from keys" + (" on some layers" if len(from_keys) < len(ir.attention_layers) else ""))
     if att.logit_softcap:
         out.append("attention softcap")
     if att.sinks:
