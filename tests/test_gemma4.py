@@ -72,6 +72,28 @@ def test_diff_names_the_per_layer_gate(tmp_path, perturbed_weight):
     assert diff["first_divergence"] == "per_layer_embd_out-1"
 
 
+def test_kv_sharing_layers_may_go_without_their_keys_and_values(tmp_path):
+    """llama.cpp does not require attn_k, attn_v and attn_k_norm of the layers that read another layer's cache: a
+    file without them binds to the same layers (they were never applied); a layer that writes a cache without its
+    attn_k is refused by name."""
+    from alchemist.arch import build_model_ir
+    from alchemist.errors import UnsupportedModelError
+    from alchemist.fixtures import write_fixture
+    from alchemist.gguf_io import read_gguf
+
+    path = write_fixture(tmp_path / "m.gguf", "gemma4")
+    full = build_model_ir(read_gguf(path))
+    facts = read_gguf(path)
+    for il in (4, 5):
+        for suffix in ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight"):
+            del facts.tensors[f"blk.{il}.{suffix}"]
+    assert build_model_ir(facts).layers == full.layers
+    facts = read_gguf(path)
+    del facts.tensors["blk.2.attn_k.weight"]
+    with pytest.raises(UnsupportedModelError, match="layer 2 writes a KV cache but has no blk.2.attn_k.weight"):
+        build_model_ir(facts)
+
+
 def test_a_mixture_of_experts_file_is_refused_by_name(tmp_path):
     """The 26B-A4B layout (a router beside the dense MLP) is not rendered: its tensors are named in the refusal."""
     from alchemist.arch import build_model_ir

@@ -66,9 +66,16 @@ from alchemist.ir import (
 )
 
 INV_SQRT2 = float(np.float32(1.0) / np.sqrt(np.float32(2.0)))  # 1.0f / sqrtf(2.0f)
-# attn_v where a layer has one: the file chooses per layer (llama.cpp's TENSOR_NOT_REQUIRED)
-ATTN_QKV = ATTN_QKV_SPLIT[:2] + (dataclasses.replace(ATTN_QKV_SPLIT[2], required=False, per_layer_choice=True),)
 KV_SHARED = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")  # loaded on KV-sharing layers, never applied
+
+
+def _per_layer_choice(specs):
+    """The file chooses per layer (llama.cpp's TENSOR_NOT_REQUIRED): attn_v where a layer has one (the larger
+    models' global layers take their values from their keys); attn_k and its norm, which the KV-sharing layers
+    need not have (_components requires them of the layers that write a cache)."""
+    return tuple(
+        dataclasses.replace(s, required=False, per_layer_choice=True) if s.suffix in KV_SHARED else s for s in specs
+    )
 
 
 def _model_dims(hp: Hparams, dims: Dims) -> Dims:
@@ -109,12 +116,14 @@ def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
     layers = []
     for lay in ir.layers:
         il = lay.index
-        attention = dataclasses.replace(
-            lay.attention,
-            v="attn_v.weight" if f"blk.{il}.attn_v.weight" in bound else None,  # None: values from the keys
-            kv_layer=shared_kv_source(il, sliding, kv_from_start, where),
-            v_norm=NormSpec(NormKind.RMS, None),
-        )
+        kv_layer = shared_kv_source(il, sliding, kv_from_start, where)
+        v = lay.attention.v  # a KV-sharing layer's own K and V, if the file has them, are never applied
+        if kv_layer == il:
+            missing = [f"blk.{il}.{s}" for s in ("attn_k.weight", "attn_k_norm.weight") if f"blk.{il}.{s}" not in bound]
+            if missing:
+                raise UnsupportedModelError(f"{where} layer {il} writes a KV cache but has no {', '.join(missing)}")
+            v = "attn_v.weight" if f"blk.{il}.attn_v.weight" in bound else None  # None: values from the keys
+        attention = dataclasses.replace(lay.attention, v=v, kv_layer=kv_layer, v_norm=NormSpec(NormKind.RMS, None))
         layers.append(
             dataclasses.replace(
                 lay,
@@ -147,9 +156,9 @@ FAMILY = Family(
     + OUTPUT
     + ROPE_FREQS
     + ATTN_NORM
-    + ATTN_QKV
+    + _per_layer_choice(ATTN_QKV_SPLIT)
     + ATTN_OUT
-    + QK_NORM_HEAD
+    + _per_layer_choice(QK_NORM_HEAD)
     + ATTN_POST_NORM
     + FFN_NORM
     + FFN_GATED
@@ -175,7 +184,9 @@ FAMILY = Family(
         n_layer=6,
         optional=(
             "rope_freqs.weight",
+            "blk.{il}.attn_k.weight",
             "blk.{il}.attn_v.weight",
+            "blk.{il}.attn_k_norm.weight",
             "per_layer_token_embd.weight",
             "per_layer_model_proj.weight",
             "per_layer_proj_norm.weight",
@@ -206,7 +217,13 @@ FAMILY = Family(
                 FixtureSpec(
                     vocab="spm",
                     n_layer=6,
-                    optional=("rope_freqs.weight", "blk.{il}.attn_v.weight", "blk.{il}.layer_output_scale.weight"),
+                    optional=(
+                        "rope_freqs.weight",
+                        "blk.{il}.attn_k.weight",
+                        "blk.{il}.attn_v.weight",
+                        "blk.{il}.attn_k_norm.weight",
+                        "blk.{il}.layer_output_scale.weight",
+                    ),
                     absent=("blk.3.attn_v.weight", "blk.5.attn_v.weight"),
                     metadata=(
                         ("attention.sliding_window", 8),
