@@ -216,3 +216,33 @@ def test_a_quantized_type_failing_everywhere_does_not_unlist_the_backends():
     ]
     line = architecture_markdown(rows).splitlines()[-1]
     assert line == "| `qwen3moe` | MoE | c, numba (fails: c/IQ4_NL, numba/IQ4_NL) | F32 |"
+
+
+def test_a_type_measured_on_some_backends_only_says_which():
+    """The newest types are validated on C (whose kernels Numba calls) where the older ones ran everywhere: the table
+    names the backends beside such a type instead of implying all of them."""
+    rows = [{"case": "llama", "quirks": ["tied output"]}] + [
+        {"case": "llama", "backend": b, "weight_type": t, "passed": True}
+        for t, backends in (("F32", ("c", "jax")), ("IQ2_XXS", ("c",)))
+        for b in backends
+    ]
+    assert architecture_markdown(rows).splitlines()[-1] == "| `llama` | tied output | c, jax | F32, IQ2_XXS (c) |"
+
+
+def test_a_fixture_that_cannot_be_written_in_a_type_is_a_row_that_says_why(tmp_path, monkeypatch):
+    """A fixture none of whose weights holds whole blocks of the type validates nothing of it: each backend's row
+    fails naming the case and the type, and the run goes on to the next case."""
+    import alchemist.kernels.formats as formats
+    from alchemist.harness.families import validate_families
+
+    monkeypatch.setattr(formats, "block_size", lambda t: (1 << 20, 1))
+    rows = validate_families(["llama", "qwen2"], ["c", "numba"], ["IQ2_XXS"], tmp_path, progress=None)
+    results = [r for r in rows if "backend" in r]
+    assert [(r["case"], r["backend"], r["passed"]) for r in results] == [
+        ("llama", "c", False), ("llama", "numba", False), ("qwen2", "c", False), ("qwen2", "numba", False)
+    ]  # fmt: skip
+    assert results[0]["failures"] == [
+        "ValueError: llama: no weight of the fixture has rows of whole 1048576-value IQ2_XXS blocks"
+    ]
+    assert not (tmp_path / "llama-IQ2_XXS.gguf").exists()
+    assert [r["case"] for r in rows if "quirks" in r] == ["llama", "qwen2"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from alchemist.harness.quantize import TENSOR_BY_TENSOR_QTYPES as TENSOR_BY_TENSOR
 from alchemist.kernels import SUPPORTED_TYPES, dequantize_rows
 from alchemist.kernels.formats import KVALUES_IQ4NL
 
@@ -18,8 +19,6 @@ PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]
 CONTEXT = 64
 GRID_QUANTS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 I_QUANTS = ("IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0", "NVFP4", "Q1_0", *GRID_QUANTS)
-# the types whose fixtures llama.cpp quantizes tensor by tensor (llama_model_quantize will not write them here)
-TENSOR_BY_TENSOR = (*GRID_QUANTS, "NVFP4")
 # how much of a random matrix each keeps: ternary scaled by the block maximum about half, 2 bits a bit more
 SIGNAL = {
     "TQ2_0": 0.4, "TQ1_0": 0.4, "IQ2_XXS": 0.8, "IQ2_XS": 0.85, "IQ2_S": 0.85, "IQ3_XXS": 0.9, "IQ3_S": 0.9,

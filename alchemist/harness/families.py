@@ -156,7 +156,6 @@ def validate_families(cases, backends, weight_types, workdir, n_generate: int = 
     from alchemist.fixtures import write_fixture
     from alchemist.gguf_io import read_gguf
     from alchemist.harness.oracle import LlamaCppOracle
-    from alchemist.harness.quantize import quantize_fixture
     from alchemist.harness.validate import load_for_validation, validate_backend
     from alchemist.runtime.backends import uses_quantized_kernels
 
@@ -168,19 +167,18 @@ def validate_families(cases, backends, weight_types, workdir, n_generate: int = 
         f32 = write_fixture(workdir / f"{stem}-F32.gguf", case)
         engines = {}
         for wtype in weight_types:
-            path = f32
-            if wtype != "F32":
-                path = workdir / f"{stem}-{wtype}.gguf"
-                if wtype == "F16":
-                    write_fixture(path, case, weight_type="F16")
-                else:
-                    quantize_fixture(f32, path, wtype, nthread=1)
-            loaded = load_for_validation(str(path))
+            try:
+                path = _fixture_file(case, wtype, f32, workdir)
+                loaded, file_error = load_for_validation(str(path)), None
+            except Exception as e:  # a type this fixture cannot be written in: each backend's row says why
+                loaded, file_error = None, e
             for backend in backends:
                 t0 = time.perf_counter()
                 kernels = uses_quantized_kernels(backend) and wtype not in ("F32", "F16")
                 key = (backend, wtype if kernels else "float32")
                 try:
+                    if file_error is not None:
+                        raise file_error
                     if key not in engines:
                         engines[key] = loaded.engine(backend, CONTEXT, kernels)
                     with LlamaCppOracle(str(path), n_ctx=CONTEXT, n_threads=1) as oracle:
@@ -209,6 +207,23 @@ def validate_families(cases, backends, weight_types, workdir, n_generate: int = 
         ir = build_model_ir(read_gguf(f32))
         rows.append({"case": case, "quirks": quirks(ir), "module_sha256": fixture_module_sha256(ir)})
     return rows
+
+
+def _fixture_file(case: str, wtype: str, f32: Path, workdir: Path) -> Path:
+    """The case's fixture in `wtype`: F16 written directly; quantized by llama.cpp, through llama_model_quantize
+    where it writes the type, tensor by tensor where it will not."""
+    from alchemist.fixtures import write_fixture
+    from alchemist.harness.quantize import TENSOR_BY_TENSOR_QTYPES, quantize_fixture, write_quantized_fixture
+
+    if wtype == "F32":
+        return f32
+    path = workdir / f"{f32.name.removesuffix('-F32.gguf')}-{wtype}.gguf"
+    if wtype == "F16":
+        return write_fixture(path, case, weight_type="F16")
+    if wtype in TENSOR_BY_TENSOR_QTYPES:
+        return write_quantized_fixture(path, case, wtype)
+    quantize_fixture(f32, path, wtype, nthread=1)
+    return path
 
 
 def fixture_module_sha256(ir: ModelIR) -> str:
@@ -251,6 +266,10 @@ def architecture_markdown(rows: list[dict]) -> str:
             if passed_backends
             and all(r["passed"] for r in results if r["weight_type"] == t and r["backend"] in passed_backends)
         ]
+        # a type measured on some of those backends only says which
+        ran = {t: [b for b in passed_backends if any(r["weight_type"] == t for r in results if r["backend"] == b)]
+               for t in passed_types}  # fmt: skip
+        passed_types = [t if ran[t] == passed_backends else f"{t} ({', '.join(ran[t])})" for t in passed_types]
         failed = [f"{r['backend']}/{r['weight_type']}" for r in results if not r["passed"]]
         lines.append(
             f"| `{case}` | {', '.join(quirk)} | {', '.join(passed_backends) or 'none'}"

@@ -61,6 +61,10 @@ FTYPES = (
 FIXTURE_QTYPES = (
     "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "MXFP4", "IQ4_NL", "IQ4_XS", "TQ2_0", "TQ1_0"
 )  # fmt: skip
+# the types llama_model_quantize will not write here: without an importance matrix, which llama-cpp-python cannot
+# hand it (the grid i-quants), or at all (NVFP4, which this build refuses as an output type); their fixtures are
+# quantized tensor by tensor (write_quantized_fixture)
+TENSOR_BY_TENSOR_QTYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "NVFP4")
 
 
 @dataclass(frozen=True)
@@ -180,21 +184,28 @@ def write_quantized_fixture(dst: str | Path, arch: str, ggml_type: str) -> Path:
     """A random-weight fixture of `arch` whose 2-D weights with rows of whole blocks of the type are quantized to
     `ggml_type` tensor by tensor by llama.cpp's quantizer (ggml_quantize_chunk; a uniform importance matrix where
     ggml needs one), the rest F32. For the types llama_model_quantize will not write: without an importance
-    matrix (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS), which llama-cpp-python cannot hand it, or at all (NVFP4, whose
-    ftype this build refuses as an output type)."""
+    matrix (TENSOR_BY_TENSOR_QTYPES), which llama-cpp-python cannot hand it, or at all (NVFP4, whose ftype this
+    build refuses as an output type). A fixture none of whose weights has rows of whole blocks is refused (it would
+    validate nothing of the type)."""
     from gguf import GGMLQuantizationType
 
     from alchemist.fixtures import write_fixture
     from alchemist.kernels.formats import block_size
 
     qk = block_size(ggml_type)[0]
+    quantized = []
 
     def encode(name, role, values):
         if role not in ("linear", "embedding") or values.ndim != 2 or values.shape[-1] % qk:
             return None
+        quantized.append(name)
         return quantize_array(values, ggml_type), GGMLQuantizationType[ggml_type]
 
-    return write_fixture(dst, arch, encode=encode)
+    path = write_fixture(dst, arch, encode=encode)
+    if not quantized:
+        Path(path).unlink()
+        raise ValueError(f"{arch}: no weight of the fixture has rows of whole {qk}-value {ggml_type} blocks")
+    return path
 
 
 def dequantize_array(blocks: np.ndarray, ggml_type: str) -> np.ndarray:
