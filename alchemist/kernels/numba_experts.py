@@ -101,7 +101,9 @@ def register_numba():
             if ggml:
                 x2 = round_rows(x2, act)  # llama.cpp's activation blocks, then the exact product
             x3 = x2.reshape((x.shape[0], -1, n_in))  # (T, 1 or K, n_in)
-            return expert_matmul(kind, x3, np.ascontiguousarray(w), np.ascontiguousarray(ids), n_in)
+            # np.int64: plain integers, not literals, so one compiled expert_matmul serves every type and width
+            wc, idc = np.ascontiguousarray(w), np.ascontiguousarray(ids)
+            return expert_matmul(np.int64(kind), x3, wc, idc, np.int64(n_in))
 
         return quantized_expert_matmul, _SOURCE_VERSION
 

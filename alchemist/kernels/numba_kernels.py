@@ -791,7 +791,9 @@ def qmatmul_tq1_0(x, w):
 
 @numba.njit(cache=True, parallel=True, fastmath=False)
 def _qmatmul_rows(x, w, kind):
-    """The driver of the grid i-quants, NVFP4 and Q1_0 (one for all: dq_row dispatches on `kind`, once per row)."""
+    """The driver of the grid i-quants, NVFP4 and Q1_0 (one for all: dq_row dispatches on `kind`, once per row).
+    Callers pass `kind` as np.int64(K): a bare constant would be typed as a literal, and Numba would compile this
+    whole parallel function again for every type (about a minute each)."""
     n_tokens, n_in = x.shape
     n_out, n16 = w.shape[0], 16 + (n_in >> 62)
     y = np.empty((n_tokens, n_out), dtype=np.float32)
@@ -816,47 +818,47 @@ def _qmatmul_rows(x, w, kind):
 
 @_jit
 def qmatmul_iq2_xxs(x, w):
-    return _qmatmul_rows(x, w, K_IQ2_XXS)
+    return _qmatmul_rows(x, w, np.int64(K_IQ2_XXS))
 
 
 @_jit
 def qmatmul_iq2_xs(x, w):
-    return _qmatmul_rows(x, w, K_IQ2_XS)
+    return _qmatmul_rows(x, w, np.int64(K_IQ2_XS))
 
 
 @_jit
 def qmatmul_iq2_s(x, w):
-    return _qmatmul_rows(x, w, K_IQ2_S)
+    return _qmatmul_rows(x, w, np.int64(K_IQ2_S))
 
 
 @_jit
 def qmatmul_iq3_xxs(x, w):
-    return _qmatmul_rows(x, w, K_IQ3_XXS)
+    return _qmatmul_rows(x, w, np.int64(K_IQ3_XXS))
 
 
 @_jit
 def qmatmul_iq3_s(x, w):
-    return _qmatmul_rows(x, w, K_IQ3_S)
+    return _qmatmul_rows(x, w, np.int64(K_IQ3_S))
 
 
 @_jit
 def qmatmul_iq1_s(x, w):
-    return _qmatmul_rows(x, w, K_IQ1_S)
+    return _qmatmul_rows(x, w, np.int64(K_IQ1_S))
 
 
 @_jit
 def qmatmul_iq1_m(x, w):
-    return _qmatmul_rows(x, w, K_IQ1_M)
+    return _qmatmul_rows(x, w, np.int64(K_IQ1_M))
 
 
 @_jit
 def qmatmul_nvfp4(x, w):
-    return _qmatmul_rows(x, w, K_NVFP4)
+    return _qmatmul_rows(x, w, np.int64(K_NVFP4))
 
 
 @_jit
 def qmatmul_q1_0(x, w):
-    return _qmatmul_rows(x, w, K_Q1_0)
+    return _qmatmul_rows(x, w, np.int64(K_Q1_0))
 
 
 DRIVERS = {
@@ -963,7 +965,8 @@ def register_numba():
         def quantized_embedding(w, idx):
             if w.shape[0] != n_rows or w.shape[1] != row_bytes:
                 raise ValueError("QuantizedEmbedding: w does not have the shape the Op was built for")
-            return embed(kind, np.ascontiguousarray(w), idx, n_in)
+            # np.int64: plain integers, not literals, so one compiled `embed` serves every type and width
+            return embed(np.int64(kind), np.ascontiguousarray(w), idx, np.int64(n_in))
 
         return quantized_embedding, _SOURCE_VERSION
 
