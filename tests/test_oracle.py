@@ -343,3 +343,17 @@ def test_quantize_pure_and_errors(llama_cpp, f32_paths, fixture_dir):
     assert {t for n, t in rep.tensor_types.items() if n.endswith(".weight") and "norm" not in n} == {"Q4_K"}
     with pytest.raises(OracleError):
         quantize_fixture(fixture_dir / "missing.gguf", fixture_dir / "out.gguf", "Q8_0")
+
+
+@pytest.mark.oracle
+def test_a_quantization_llamacpp_refuses_says_why(llama_cpp, tmp_path):
+    """deepseek2's attn_k_b rows of 64 are no whole Q1_0 block (128) and Q1_0 has no fallback type: the error carries
+    llama.cpp's reason, not its dump of the file's metadata."""
+    from alchemist.fixtures import write_fixture
+    from alchemist.harness import OracleError, quantize_fixture
+
+    f32 = write_fixture(tmp_path / "ds.gguf", "deepseek2")
+    with pytest.raises(OracleError) as info:
+        quantize_fixture(f32, tmp_path / "out.gguf", "Q1_0", nthread=1)
+    assert "not divisible by 128" in str(info.value) and "no tensor type fallback" in str(info.value)
+    assert "llama_model_loader" not in str(info.value)

@@ -132,7 +132,9 @@ def quantize_fixture(
     rc = llc.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     seconds = time.perf_counter() - t0
     if rc != 0:
-        raise OracleError(f"llama_model_quantize({src.name} -> {qtype}) failed ({rc}): {_llama.recent_log()}")
+        # llama.cpp says why after its dump of the file's metadata: keep its words, not the dump
+        why = [line for line in _llama.recent_log(64).splitlines() if not line.startswith("llama_model_loader:")]
+        raise OracleError(f"llama_model_quantize({src.name} -> {qtype}) failed ({rc}): {' '.join(why[-4:])}")
     facts = read_gguf(dst)
     types = {name: info.ggml_type for name, info in facts.tensors.items()}
     return QuantizeReport(path=dst, qtype=qtype, ftype=ftype, pure=bool(pure), tensor_types=types, seconds=seconds)
