@@ -226,7 +226,7 @@ def test_a_type_measured_on_some_backends_only_says_which():
         for t, backends in (("F32", ("c", "jax")), ("IQ2_XXS", ("c",)))
         for b in backends
     ]
-    assert architecture_markdown(rows).splitlines()[-1] == "| `llama` | tied output | c, jax | F32, IQ2_XXS (c) |"
+    assert architecture_markdown(rows).splitlines()[-1] == "| `llama` | tied output | c, jax | F32; IQ2_XXS (c) |"
 
 
 def test_a_fixture_that_cannot_be_written_in_a_type_is_a_row_that_says_why(tmp_path, monkeypatch):

@@ -266,15 +266,20 @@ def architecture_markdown(rows: list[dict]) -> str:
             if passed_backends
             and all(r["passed"] for r in results if r["weight_type"] == t and r["backend"] in passed_backends)
         ]
-        # a type measured on some of those backends only says which
-        ran = {t: [b for b in passed_backends if any(r["weight_type"] == t for r in results if r["backend"] == b)]
-               for t in passed_types}  # fmt: skip
-        passed_types = [t if ran[t] == passed_backends else f"{t} ({', '.join(ran[t])})" for t in passed_types]
+        # types measured on only some of those backends come after the others, naming their backends
+        groups: dict[tuple, list[str]] = {}
+        for t in passed_types:
+            on = tuple(b for b in passed_backends if any(r["weight_type"] == t for r in results if r["backend"] == b))
+            groups.setdefault(on, []).append(t)
+        type_cells = [
+            ", ".join(ts) + ("" if len(on) == len(passed_backends) else f" ({', '.join(on)})")
+            for on, ts in sorted(groups.items(), key=lambda group: -len(group[0]))
+        ]
         failed = [f"{r['backend']}/{r['weight_type']}" for r in results if not r["passed"]]
         lines.append(
             f"| `{case}` | {', '.join(quirk)} | {', '.join(passed_backends) or 'none'}"
             + (f" (fails: {', '.join(failed)})" if failed else "")
-            + f" | {', '.join(passed_types) or 'none'} |"
+            + f" | {'; '.join(type_cells) or 'none'} |"
         )
     return "\n".join(lines)
 
