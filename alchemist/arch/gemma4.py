@@ -69,6 +69,19 @@ INV_SQRT2 = float(np.float32(1.0) / np.sqrt(np.float32(2.0)))  # 1.0f / sqrtf(2.
 KV_SHARED = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")  # loaded on KV-sharing layers, never applied
 
 
+# the fixtures' layers: sliding but for layers 3 and 5 (global: heads of 64, one KV head, RoPE over rope_freqs)
+FIXTURE_LAYERS = (
+    ("attention.sliding_window", 8),
+    ("attention.sliding_window_pattern", (True, True, True, False, True, False)),
+    ("attention.key_length_swa", 32),
+    ("attention.value_length_swa", 32),
+    ("rope.dimension_count_swa", 32),
+    ("rope.freq_base_swa", 1000.0),
+    ("attention.head_count_kv", (2, 2, 2, 1, 2, 1)),
+)
+FIXTURE_OPTIONAL = ("rope_freqs.weight", *(f"blk.{{il}}.{s}" for s in KV_SHARED), "blk.{il}.layer_output_scale.weight")
+
+
 def _per_layer_choice(specs):
     """The file chooses per layer (llama.cpp's TENSOR_NOT_REQUIRED): attn_v where a layer has one (the larger
     models' global layers take their values from their keys); attn_k and its norm, which the KV-sharing layers
@@ -182,27 +195,17 @@ FAMILY = Family(
     fixture=FixtureSpec(
         vocab="spm",
         n_layer=6,
-        optional=(
-            "rope_freqs.weight",
-            "blk.{il}.attn_k.weight",
-            "blk.{il}.attn_v.weight",
-            "blk.{il}.attn_k_norm.weight",
+        optional=FIXTURE_OPTIONAL
+        + (
             "per_layer_token_embd.weight",
             "per_layer_model_proj.weight",
             "per_layer_proj_norm.weight",
             "blk.{il}.inp_gate.weight",
             "blk.{il}.proj.weight",
             "blk.{il}.post_norm.weight",
-            "blk.{il}.layer_output_scale.weight",
         ),
-        metadata=(
-            ("attention.sliding_window", 8),
-            ("attention.sliding_window_pattern", (True, True, True, False, True, False)),
-            ("attention.key_length_swa", 32),
-            ("attention.value_length_swa", 32),
-            ("rope.dimension_count_swa", 32),
-            ("rope.freq_base_swa", 1000.0),
-            ("attention.head_count_kv", (2, 2, 2, 1, 2, 1)),
+        metadata=FIXTURE_LAYERS
+        + (
             ("feed_forward_length", (512, 512, 512, 512, 1024, 1024)),
             ("attention.shared_kv_layers", 2),
             ("embedding_length_per_layer_input", 16),
@@ -217,22 +220,10 @@ FAMILY = Family(
                 FixtureSpec(
                     vocab="spm",
                     n_layer=6,
-                    optional=(
-                        "rope_freqs.weight",
-                        "blk.{il}.attn_k.weight",
-                        "blk.{il}.attn_v.weight",
-                        "blk.{il}.attn_k_norm.weight",
-                        "blk.{il}.layer_output_scale.weight",
-                    ),
+                    optional=FIXTURE_OPTIONAL,
                     absent=("blk.3.attn_v.weight", "blk.5.attn_v.weight"),
-                    metadata=(
-                        ("attention.sliding_window", 8),
-                        ("attention.sliding_window_pattern", (True, True, True, False, True, False)),
-                        ("attention.key_length_swa", 32),
-                        ("attention.value_length_swa", 32),
-                        ("rope.dimension_count_swa", 32),
-                        ("rope.freq_base_swa", 1000.0),
-                        ("attention.head_count_kv", (2, 2, 2, 1, 2, 1)),
+                    metadata=FIXTURE_LAYERS
+                    + (
                         ("embedding_length_per_layer_input", 0),
                         ("final_logit_softcapping", 30.0),
                     ),
