@@ -239,6 +239,20 @@ def test_disconnect_mid_stream_cancels(tokenizer):
         assert httpx.post(url + CHAT, json=GOOD).status_code == 200
 
 
+def test_disconnect_before_a_whole_answer_cancels(tokenizer):
+    """A non-streamed request whose client gives up (its timeout) is cancelled: its slot frees and generation stops."""
+    sched, app = make(tokenizer, step_delay=0.02)
+    with running(app) as url:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + CHAT, json={**GOOD, "max_tokens": 80, "ignore_eos": True}, timeout=0.3)
+        deadline = time.monotonic() + 5
+        while not (sched.cancelled_ids and sched.stats.active_slots == 0):
+            assert time.monotonic() < deadline, (sched.cancelled_ids, sched.stats.active_slots)
+            time.sleep(0.02)
+        assert sched.stats.generated_tokens_total < 80  # it stopped early
+        assert httpx.post(url + CHAT, json=GOOD).status_code == 200
+
+
 def test_429_when_queue_full_then_recovers(tokenizer):
     sched, app = make(tokenizer, max_queue=1)
     with running(app) as url:
@@ -452,3 +466,74 @@ def test_sigterm_drains_in_flight_stream(tiny_gguf):
     cmd = [sys.executable, "-m", "alchemist.cli", "serve", path, "--port", "0", "--slots", "2", "--context", "128",
            "--chunk", "8", "--drain", "20"]  # fmt: skip
     _sigterm_mid_stream(cmd, Path(path).stem, startup_s=900)
+
+
+# ---------------------------------------------------------------------------------------------- who may ask
+def test_model_may_be_left_out(server):
+    """One model is served: a body without `model` (lm-eval's gguf client sends none) is answered by it."""
+    body = {k: v for k, v in GOOD.items() if k != "model"}
+    r = httpx.post(server[2] + CHAT, json=body)
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+    assert httpx.post(server[2] + COMP, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_sent_as_json_is_refused(server, content_type):
+    """A cross-site form can post text/plain without a CORS preflight: only application/json bodies are read."""
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(server[2] + CHAT, content=json.dumps(GOOD).encode(), headers=headers)
+    assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    ok = httpx.post(server[2] + CHAT, content=json.dumps(GOOD).encode(),
+                    headers={"content-type": "application/json; charset=utf-8"})  # fmt: skip
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("open_health", [True, False])
+def test_api_key_is_required_everywhere_but_an_open_health(tokenizer, open_health):
+    engine = ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4)
+    sched = FakeScheduler(engine, tokenizer)
+    app = create_app(sched, tokenizer, MODEL, request_cls=FakeRequest, drain_s=3.0, api_key="s3cret",
+                     open_health=open_health)  # fmt: skip
+    with running(app) as url:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret"}):
+            r = httpx.post(url + CHAT, json=GOOD, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(url + "/metrics", headers=headers).status_code == 401
+        key = {"authorization": "Bearer s3cret"}
+        assert httpx.post(url + CHAT, json=GOOD, headers=key).status_code == 200
+        assert httpx.get(url + "/v1/models", headers=key).status_code == 200
+        assert httpx.get(url + "/health").status_code == (200 if open_health else 401)
+        openai = pytest.importorskip("openai")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_a_loopback_server_answers_only_to_its_own_names(tokenizer):
+    """DNS rebinding: a page on attacker.example re-points its name at 127.0.0.1; the browser then sends
+    `Host: attacker.example`, which a server bound to loopback refuses (403) unless told the name."""
+    from alchemist.serve.guard import allowed_hosts_for, host_name
+
+    assert host_name("[::1]:8080") == "::1" and host_name("LocalHost:80") == "localhost" and host_name("::1") == "::1"
+    assert allowed_hosts_for("0.0.0.0", None) is None and allowed_hosts_for("127.0.0.1", ["*"]) is None
+    assert allowed_hosts_for("10.0.0.5", ["api.example"]) == {"api.example"}
+    engine = ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4)
+    sched = FakeScheduler(engine, tokenizer)
+    app = create_app(sched, tokenizer, MODEL, request_cls=FakeRequest, drain_s=3.0,
+                     allowed_hosts=allowed_hosts_for("127.0.0.1", ["box.lan"]))  # fmt: skip
+    with running(app) as url:
+        port = url.rsplit(":", 1)[1]
+        for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.attacker.example", ""):
+            r = httpx.post(url + CHAT, json=GOOD, headers={"host": host})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", (host, r.text)
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "[::1]", "box.lan"):
+            assert httpx.post(url + CHAT, json=GOOD, headers={"host": host}).status_code == 200, host
+        assert httpx.get(url + "/health").status_code == 200  # httpx sends the URL's own host
+
+
+def test_serve_options_for_who_may_ask():
+    from alchemist.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "m.gguf", "--api-key", "k", "--open-health",
+                                      "--allowed-host", "a.lan", "--allowed-host", "b.lan"])  # fmt: skip
+    assert (args.api_key, args.open_health, args.allowed_host) == ("k", True, ["a.lan", "b.lan"])

@@ -26,11 +26,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from alchemist.errors import AlchemistError
 from alchemist.runtime.sampling import SamplingParams
 from alchemist.serve.events import DoneEvent, QueueFull, SchedulerClosed
+from alchemist.serve.guard import RequestGuard
+from alchemist.serve.guard import openai_error as _error_response
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOP = 16
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_WINDOW_S = 10.0
+DISCONNECT_POLL_S = 0.25  # how often a whole (non-streamed) answer asks whether its client is still there
 
 
 # ---------------------------------------------------------------------------------------------- request bodies
@@ -44,7 +47,7 @@ class StreamOptions(_Strict):
 
 
 class _Common(_Strict):
-    model: str
+    model: str | None = None  # optional: one model is served (as llama.cpp's and llama-cpp-python's servers)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -101,11 +104,6 @@ class ApiError(Exception):
             code,
             headers,
         )
-
-
-def _error_response(status: int, message: str, type_: str, param=None, code=None, headers=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _unsupported(body: _Common) -> None:
@@ -226,8 +224,14 @@ def create_app(
     drain_s: float = 10.0,
     manage_scheduler: bool = True,
     retry_after_s: int = 1,
+    api_key: str | None = None,
+    allowed_hosts=None,
+    open_health: bool = False,
 ) -> FastAPI:
     """The FastAPI app over `scheduler` (the serving contract's Scheduler interface).
+
+    With `api_key` every route wants `Authorization: Bearer <api_key>` (/health not with `open_health`);
+    `allowed_hosts` (alchemist.serve.guard.allowed_hosts_for) limits the Host headers it answers to.
 
     `request_cls` builds the scheduler's requests (default `alchemist.serve.scheduler.Request`). With
     `manage_scheduler` the app's lifespan starts the scheduler (unless it runs already) and, at shutdown, stops it
@@ -252,6 +256,9 @@ def create_app(
     app = FastAPI(title="alchemist", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
     app.state.scheduler = scheduler
+    if api_key is not None or allowed_hosts is not None:
+        open_paths = ("/health",) if open_health else ()
+        app.add_middleware(RequestGuard, api_key=api_key, allowed_hosts=allowed_hosts, open_paths=open_paths)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -268,11 +275,16 @@ def create_app(
 
     # ------------------------------------------------------------------ shared request path
     async def _read(request: Request, model_cls):
+        # JSON only: a cross-site form may post text/plain without a preflight, never application/json
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json":
+            raise ApiError(415, f"the request body must be sent as Content-Type: application/json, not "
+                           f"{media or 'without a Content-Type'}")  # fmt: skip
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
         body = _parse(raw, model_cls)
-        if body.model != model_id:
+        if body.model is not None and body.model != model_id:
             raise ApiError(404, f"the model {body.model!r} does not exist (this server has {model_id!r})",
                            param="model", code="model_not_found")  # fmt: skip
         _unsupported(body)
@@ -350,14 +362,20 @@ def create_app(
     async def _events(request: Request, req, q: asyncio.Queue, poll_disconnect: bool):
         """Yield the request's events until its DoneEvent; cancel it if we are torn down or the client leaves."""
         finished = False
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + DISCONNECT_POLL_S
         try:
             while True:
                 if poll_disconnect:
                     try:
-                        ev = await asyncio.wait_for(q.get(), 0.5)
+                        ev = await asyncio.wait_for(q.get(), max(0.0, check_at - loop.time()))
                     except TimeoutError:
+                        ev = None
+                    if loop.time() >= check_at:  # on a clock, not on silence: tokens arrive faster than that
                         if await request.is_disconnected():
                             return
+                        check_at = loop.time() + DISCONNECT_POLL_S
+                    if ev is None:
                         continue
                 else:
                     ev = await q.get()

@@ -4,6 +4,7 @@ flight finish (up to --drain seconds), then the scheduler stops."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -42,6 +43,19 @@ def add_arguments(p) -> None:
     p.add_argument("--max-queue", type=int, default=d["max_queue"], help="queued requests before 429 (default 64)")
     p.add_argument("--drain", type=float, default=d["drain"], help="seconds to let streams finish at shutdown")
     p.add_argument("--model-id", default=None, help="the model name clients send (default: the file's stem)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("ALCHEMIST_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route (default: $ALCHEMIST_API_KEY; none: open)",
+    )
+    p.add_argument("--open-health", action="store_true", help="with --api-key: /health answers without the key")
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a Host name the server answers to besides its loopback names (repeatable; '*': any). Bound to "
+        "a loopback address it answers only to localhost, 127.0.0.1 and ::1 (no DNS rebinding)",
+    )
     p.add_argument(
         "--full-window",
         action="store_true",
@@ -141,6 +155,9 @@ def build_server(
     full_window: bool = DEFAULTS["full_window"],
     log_level: str = "warning",
     numerics: str | None = None,
+    api_key: str | None = None,
+    open_health: bool = False,
+    allowed_hosts: list[str] | None = None,
 ) -> ServerHandle:
     """Everything `alchemist serve` runs, unstarted. Pass `scheduler` (and `tokenizer`) to skip loading the model."""
     try:
@@ -167,7 +184,12 @@ def build_server(
         sock.close()
         raise
     model_id = model_id or Path(str(model_path)).stem
-    app = create_app(scheduler, tokenizer, model_id, request_cls=request_cls, drain_s=drain)
+    from alchemist.serve.guard import allowed_hosts_for
+
+    app = create_app(
+        scheduler, tokenizer, model_id, request_cls=request_cls, drain_s=drain, api_key=api_key or None,
+        allowed_hosts=allowed_hosts_for(host, allowed_hosts), open_health=open_health,
+    )  # fmt: skip
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -186,7 +208,8 @@ def run_serve(args) -> int:
     handle = build_server(
         args.model, backend=args.backend, slots=args.slots, context=args.context, chunk=args.chunk, host=args.host,
         port=args.port, max_queue=args.max_queue, drain=args.drain, model_id=args.model_id,
-        full_window=args.full_window, numerics=getattr(args, "numerics", None),
+        full_window=args.full_window, numerics=getattr(args, "numerics", None), api_key=args.api_key,
+        open_health=args.open_health, allowed_hosts=args.allowed_host,
     )  # fmt: skip
     handle.run()
     return 0
