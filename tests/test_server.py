@@ -157,6 +157,11 @@ def test_logprobs_shapes(server):
     lp = r["choices"][0]["logprobs"]
     n = r["usage"]["completion_tokens"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    # offsets count from the prompt's start: the first token follows the prompt's 3 characters
+    assert lp["text_offset"] == [3 + sum(map(len, lp["tokens"][:i])) for i in range(n)]
+    ids = sched.tokenizer.encode("abc")
+    r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 2, "logprobs": 1}).json()
+    assert r["choices"][0]["logprobs"]["text_offset"][0] == len(sched.tokenizer.decode(ids))
     for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
         assert chosen <= 0 and len(top) <= 3 and abs(max(top.values()) - chosen) < 1e-6  # greedy: chosen is best
     r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],

@@ -412,8 +412,9 @@ def create_app(
     class _CompletionShape:
         """/v1/completions: text_completion objects; logprobs as tokens / token_logprobs / top_logprobs / offsets."""
 
-        def __init__(self, rid: str, created: int, logprobs: int | None):
-            self.rid, self.created, self.want_logprobs, self.offset = rid, created, logprobs is not None, 0
+        def __init__(self, rid: str, created: int, logprobs: int | None, prompt_chars: int):
+            # text_offset counts characters from the prompt's start (OpenAI's legacy format)
+            self.rid, self.created, self.want_logprobs, self.offset = rid, created, logprobs is not None, prompt_chars
 
         def _chunk(self, text, finish=None, logprobs=None) -> dict:
             c = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
@@ -551,7 +552,8 @@ def create_app(
                 raise ApiError(400, f"token id {bad[0]} is out of range [0, {n_vocab})", param="prompt")
         max_tokens = _check_lengths(len(ids), 16 if body.max_tokens is None else body.max_tokens, True)
         req, q = _submit(ids, body, max_tokens, body.logprobs)
-        shape = _CompletionShape(f"cmpl-{req.id}", int(time.time()), body.logprobs)
+        prompt_chars = len(p) if isinstance(p, str) else len(await run_in_threadpool(tokenizer.decode, ids))
+        shape = _CompletionShape(f"cmpl-{req.id}", int(time.time()), body.logprobs, prompt_chars)
         return await _answer(request, req, q, shape, body.stream, _include_usage(body))
 
     @app.post("/v1/chat/completions")
