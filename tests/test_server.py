@@ -542,3 +542,30 @@ def test_serve_options_for_who_may_ask():
     args = build_parser().parse_args(["serve", "m.gguf", "--api-key", "k", "--open-health",
                                       "--allowed-host", "a.lan", "--allowed-host", "b.lan"])  # fmt: skip
     assert (args.api_key, args.open_health, args.allowed_host) == ("k", True, ["a.lan", "b.lan"])
+
+
+# ---------------------------------------------------------------------------------------------- the tokenizer
+def test_tokenizer_endpoints_in_vllms_and_llamacpps_shapes(server):
+    """lm-eval's remote tokenizer (vLLM's shapes) and llama.cpp's clients use the server's own tokenizer."""
+    sched, app, url = server
+    tok = sched.tokenizer
+    text = "Once upon a time"
+    r = httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert r["tokens"] == tok.encode(text, add_special_tokens=False) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == CONTEXT
+    assert httpx.post(url + "/tokenize", json={"prompt": text}).json()["tokens"] == tok.encode(text)  # vLLM: specials
+    r = httpx.post(url + "/tokenize", json={"content": text, "with_pieces": True}).json()  # llama.cpp: no specials
+    assert [p["id"] for p in r["tokens"]] == tok.encode(text, add_special_tokens=False)
+    assert [p["piece"] for p in r["tokens"]] == [tok.token_to_piece(p["id"]).decode() for p in r["tokens"]]
+    ids = tok.encode(text)
+    r = httpx.post(url + "/detokenize", json={"tokens": ids}).json()
+    assert r["prompt"] == r["content"] == tok.decode(ids)
+    info = httpx.get(url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.id_to_token(tok.eos_id) and info["vocab_size"] == tok.vocab_size
+    assert {"bos_token", "pad_token", "chat_template", "model_max_length"} <= set(info)
+    for path, body, param in (("/detokenize", {"tokens": [5, 10**9]}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "content": "b"}, "prompt"),
+                              ("/tokenize", {}, "prompt"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")):  # fmt: skip
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)

@@ -1,5 +1,6 @@
 """An OpenAI-compatible HTTP front end over a Scheduler: `/v1/completions`, `/v1/chat/completions` (streamed as
-server-sent events or whole), `/v1/models`, `/health` and `/metrics`.
+server-sent events or whole), `/v1/models`, the tokenizer's `/tokenize`, `/detokenize` and `/tokenizer_info`,
+`/health` and `/metrics`.
 
 The scheduler thread owns the model; this module only turns requests into token ids (in a worker thread, never the
 scheduler's), submits them, and relays the scheduler's events, which cross threads through
@@ -89,6 +90,23 @@ class ChatBody(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TokenizeBody(_Strict):
+    """/tokenize in vLLM's shape (`prompt`, `add_special_tokens`, default true) or llama.cpp's (`content`,
+    `add_special`, default false; `with_pieces`)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+    with_pieces: bool | None = False
+
+
+class DetokenizeBody(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 class ApiError(Exception):
@@ -287,10 +305,18 @@ def create_app(
         if body.model is not None and body.model != model_id:
             raise ApiError(404, f"the model {body.model!r} does not exist (this server has {model_id!r})",
                            param="model", code="model_not_found")  # fmt: skip
-        _unsupported(body)
+        if isinstance(body, _Common):
+            _unsupported(body)
         if app.state.draining:
             raise ApiError(503, "the server is shutting down", "server_error", code="server_shutting_down")
         return body
+
+    def _checked_ids(ids, param: str) -> list[int]:
+        ids, n_vocab = [int(t) for t in ids], tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < n_vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is out of range [0, {n_vocab})", param=param)
+        return ids
 
     def _check_lengths(n_prompt: int, max_tokens: int | None, explicit: bool) -> int:
         ctx = int(scheduler.max_context)
@@ -545,11 +571,7 @@ def create_app(
             except AlchemistError as e:
                 raise ApiError(400, str(e), param="prompt") from None
         else:
-            ids = [int(t) for t in p]
-            n_vocab = tokenizer.vocab_size
-            bad = [t for t in ids if not 0 <= t < n_vocab]
-            if bad:
-                raise ApiError(400, f"token id {bad[0]} is out of range [0, {n_vocab})", param="prompt")
+            ids = _checked_ids(p, "prompt")
         max_tokens = _check_lengths(len(ids), 16 if body.max_tokens is None else body.max_tokens, True)
         req, q = _submit(ids, body, max_tokens, body.logprobs)
         prompt_chars = len(p) if isinstance(p, str) else len(await run_in_threadpool(tokenizer.decode, ids))
@@ -584,6 +606,48 @@ def create_app(
         if name != model_id:
             raise ApiError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
         return {"id": model_id, "object": "model", "created": created, "owned_by": "alchemist"}
+
+    # ------------------------------------------------------------------ the server's own tokenizer (lm-eval's remote
+    # tokenizer and llama.cpp's clients count and split text with it)
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body: TokenizeBody = await _read(request, TokenizeBody)
+        if (body.prompt is None) == (body.content is None):
+            raise ApiError(400, "send the text as `prompt` (vLLM) or as `content` (llama.cpp), one of them",
+                           param="prompt")  # fmt: skip
+        special = next((x for x in (body.add_special_tokens, body.add_special) if x is not None),
+                       body.prompt is not None)  # each server's own default  # fmt: skip
+        text = body.prompt if body.prompt is not None else body.content
+        try:
+            ids = await run_in_threadpool(tokenizer.encode, text, add_special_tokens=special)
+        except AlchemistError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+        tokens = [{"id": t, "piece": _piece_json(t)} for t in ids] if body.with_pieces else ids
+        return {"tokens": tokens, "count": len(ids), "max_model_len": int(scheduler.max_context)}
+
+    def _piece_json(t: int):
+        """A token's text where it is whole UTF-8, else its bytes (as llama.cpp's server answers)."""
+        piece = tokenizer.token_to_piece(t)
+        try:
+            return piece.decode("utf-8")
+        except UnicodeDecodeError:
+            return list(piece)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body: DetokenizeBody = await _read(request, DetokenizeBody)
+        text = await run_in_threadpool(tokenizer.decode, _checked_ids(body.tokens, "tokens"))
+        return {"prompt": text, "content": text}  # vLLM's key and llama.cpp's
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        def token(tid):
+            return None if tid is None else tokenizer.id_to_token(tid)
+
+        return {"tokenizer_class": "alchemist (GGUF vocabulary)", "vocab_size": tokenizer.vocab_size,
+                "model_max_length": int(scheduler.max_context), "bos_token": token(tokenizer.bos_id),
+                "eos_token": token(tokenizer.eos_id), "pad_token": token(tokenizer.pad_id),
+                "add_bos_token": bool(tokenizer.add_bos), "chat_template": tokenizer.chat_template}  # fmt: skip
 
     @app.get("/health")
     async def health():
