@@ -493,6 +493,25 @@ def test_a_body_not_sent_as_json_is_refused(server, content_type):
     assert ok.status_code == 200
 
 
+def test_a_body_over_the_limit_is_a_413_with_or_without_its_length(server):
+    """8 MiB is the limit: a larger body is a 413 whether its Content-Length says so (refused before reading) or it
+    streams without one (refused once 8 MiB have arrived)."""
+    from alchemist.serve.app import MAX_BODY_BYTES
+
+    big = b'{"model": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    headers = {"content-type": "application/json"}
+    r = httpx.post(server[2] + CHAT, content=big, headers=headers)
+    assert r.status_code == 413, r.text
+
+    def chunks():  # no Content-Length: chunked transfer
+        for i in range(0, len(big), 1 << 20):
+            yield big[i : i + (1 << 20)]
+
+    r = httpx.post(server[2] + CHAT, content=chunks(), headers=headers)
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("the request body is over"), r.text
+    assert httpx.post(server[2] + CHAT, json=GOOD).status_code == 200
+
+
 @pytest.mark.parametrize("open_health", [True, False])
 def test_api_key_is_required_everywhere_but_an_open_health(tokenizer, open_health):
     engine = ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4)

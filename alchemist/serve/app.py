@@ -298,10 +298,7 @@ def create_app(
         if media != "application/json":
             raise ApiError(415, f"the request body must be sent as Content-Type: application/json, not "
                            f"{media or 'without a Content-Type'}")  # fmt: skip
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        body = _parse(raw, model_cls)
+        body = _parse(await _body(request), model_cls)
         if body.model is not None and body.model != model_id:
             raise ApiError(404, f"the model {body.model!r} does not exist (this server has {model_id!r})",
                            param="model", code="model_not_found")  # fmt: skip
@@ -310,6 +307,19 @@ def create_app(
         if app.state.draining:
             raise ApiError(503, "the server is shutting down", "server_error", code="server_shutting_down")
         return body
+
+    async def _body(request: Request) -> bytes:
+        """The body, read no further than MAX_BODY_BYTES: a stranger's gigabyte is refused, not buffered."""
+        too_big = ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise too_big
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise too_big
+        return bytes(raw)
 
     def _checked_ids(ids, param: str) -> list[int]:
         ids, n_vocab = [int(t) for t in ids], tokenizer.vocab_size
