@@ -60,11 +60,12 @@ def running(app):
         sock.close()
 
 
-def make(tokenizer, **kw):
+def make(tokenizer, app_options=None, **kw):
+    """A fake scheduler over the toy engine (`kw`: its options) and the app over it (`app_options`: create_app's)."""
     step_delay = kw.pop("step_delay", 0.0)
     engine = ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4)
     sched = FakeScheduler(engine, tokenizer, step_delay=step_delay, **kw)
-    return sched, create_app(sched, tokenizer, MODEL, request_cls=FakeRequest, drain_s=3.0)
+    return sched, create_app(sched, tokenizer, MODEL, request_cls=FakeRequest, drain_s=3.0, **(app_options or {}))
 
 
 @pytest.fixture(scope="module")
@@ -514,10 +515,7 @@ def test_a_body_over_the_limit_is_a_413_with_or_without_its_length(server):
 
 @pytest.mark.parametrize("open_health", [True, False])
 def test_api_key_is_required_everywhere_but_an_open_health(tokenizer, open_health):
-    engine = ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4)
-    sched = FakeScheduler(engine, tokenizer)
-    app = create_app(sched, tokenizer, MODEL, request_cls=FakeRequest, drain_s=3.0, api_key="s3cret",
-                     open_health=open_health)  # fmt: skip
+    sched, app = make(tokenizer, {"api_key": "s3cret", "open_health": open_health})
     with running(app) as url:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic s3cret"}):
             r = httpx.post(url + CHAT, json=GOOD, headers=headers)
@@ -541,10 +539,7 @@ def test_a_loopback_server_answers_only_to_its_own_names(tokenizer):
     assert host_name("[::1]:8080") == "::1" and host_name("LocalHost:80") == "localhost" and host_name("::1") == "::1"
     assert allowed_hosts_for("0.0.0.0", None) is None and allowed_hosts_for("127.0.0.1", ["*"]) is None
     assert allowed_hosts_for("10.0.0.5", ["api.example"]) == {"api.example"}
-    engine = ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4)
-    sched = FakeScheduler(engine, tokenizer)
-    app = create_app(sched, tokenizer, MODEL, request_cls=FakeRequest, drain_s=3.0,
-                     allowed_hosts=allowed_hosts_for("127.0.0.1", ["box.lan"]))  # fmt: skip
+    sched, app = make(tokenizer, {"allowed_hosts": allowed_hosts_for("127.0.0.1", ["box.lan"])})
     with running(app) as url:
         port = url.rsplit(":", 1)[1]
         for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.attacker.example", ""):
