@@ -232,6 +232,20 @@ class RouterSpec:
     n_group_used: int = field(default=0, metadata=LATER)
     # the routing weight multiplies the token before its expert instead of the expert's output (Llama 4; one expert)
     weight_inputs: bool = field(default=False, metadata=LATER)
+    # (n_embd,): the router reads rms_norm(x) / sqrt(n_embd) times this scale instead of x (Gemma 4)
+    input_scale: str | None = field(default=None, metadata=LATER)
+
+
+@dataclass(frozen=True)
+class BranchNorms:
+    """The norms of a mixture of experts whose shared expert and routed experts each have their own norm in and
+    out (Gemma 4): the MoE then reads the residual stream itself, and returns shared_out(shared(shared_in(x))) +
+    experts_out(experts(experts_in(x)))."""
+
+    shared_in: NormSpec  # ffn_norm
+    shared_out: NormSpec  # post_ffw_norm_1
+    experts_in: NormSpec  # pre_ffw_norm_2
+    experts_out: NormSpec  # post_ffw_norm_2
 
 
 @dataclass(frozen=True)
@@ -254,6 +268,12 @@ class MLPSpec:
     shared: "MLPSpec | None" = field(default=None, metadata=LATER)
     # MOE: (n_embd,): the shared expert's output times sigmoid(x · shared_gate) per token (Qwen3-Next, Qwen3.5 MoE)
     shared_gate: str | None = field(default=None, metadata=LATER)
+    # MOE: `up` names each expert's gate and up stacked as [gate | up] (2 · n_ff rows); gate is then None
+    gate_up_fused: bool = field(default=False, metadata=LATER)
+    # MOE: (n_expert,): each expert's output times its scale, before the routing weight (Gemma 4)
+    down_scale: str | None = field(default=None, metadata=LATER)
+    # MOE: the shared and routed experts' own norms (Gemma 4); None: the block's ffn_norm before the whole MoE
+    branch_norms: BranchNorms | None = field(default=None, metadata=LATER)
 
 
 @dataclass(frozen=True)

@@ -94,17 +94,54 @@ def test_kv_sharing_layers_may_go_without_their_keys_and_values(tmp_path):
         build_model_ir(facts)
 
 
-def test_a_mixture_of_experts_file_is_refused_by_name(tmp_path):
-    """The 26B-A4B layout (a router beside the dense MLP) is not rendered: its tensors are named in the refusal."""
+def test_experts_with_gate_and_up_apart_compute_as_the_stacked_ones(tmp_path):
+    """gemma4:moe (the 26B-A4B's layout) stacks each expert's gate and up as [gate | up] in ffn_gate_up_exps; the
+    same experts with ffn_gate_exps and ffn_up_exps apart compute the same, every layer as llama.cpp does. Each
+    file needs one of the two forms (the fixture's own validation is in tests/test_validation.py)."""
+    from gguf_copy import rewrite_gguf
+
     from alchemist.arch import build_model_ir
     from alchemist.errors import UnsupportedModelError
     from alchemist.fixtures import write_fixture
     from alchemist.gguf_io import read_gguf
+    from alchemist.harness import LlamaCppOracle
+    from alchemist.harness.validate import layer_nmse, load_for_validation, tap_values
 
-    facts = read_gguf(write_fixture(tmp_path / "m.gguf", "gemma4"))
-    facts.tensors["blk.0.ffn_gate_inp.weight"] = facts.tensors["blk.0.attn_q.weight"]
-    with pytest.raises(UnsupportedModelError, match="does not know: 'blk.0.ffn_gate_inp.weight'"):
-        build_model_ir(facts)
+    fused = write_fixture(tmp_path / "fused.gguf", "gemma4:moe")
+    facts = read_gguf(fused)
+    n_ff = build_model_ir(facts).layers[0].mlp.n_ff
+    stacks = [f"blk.{il}.ffn_gate_up_exps.weight" for il in range(6)]
+    split = {}
+    for name in stacks:
+        stack = facts.tensor_bytes(name).view(np.float32).reshape(facts.tensors[name].shape)  # [gate | up]
+        split[name.replace("gate_up", "gate")] = np.ascontiguousarray(stack[:, :n_ff])
+        split[name.replace("gate_up", "up")] = np.ascontiguousarray(stack[:, n_ff:])
+    apart = rewrite_gguf(fused, tmp_path / "apart.gguf", drop=set(stacks), extra=split)
+    stacked_model, apart_model = load_for_validation(str(fused)), load_for_validation(str(apart))
+    assert "blk.0.ffn_gate_up_exps.weight" not in apart_model.module.TENSORS
+    stacked, separate = (tap_values(m.engine("c", 64), PROMPT[:6]) for m in (stacked_model, apart_model))
+    for name in ("ffn_moe_geglu-0", "ffn_moe-3", "l_out-5"):
+        np.testing.assert_array_equal(separate[name], stacked[name])
+    with LlamaCppOracle(str(apart), n_ctx=64, n_threads=1) as oracle:
+        compared = layer_nmse(apart_model.engine("c", 64), oracle, PROMPT[:6])
+    assert compared["first_divergence"] is None and "ffn_moe_geglu-0" in compared["nmse"], compared
+
+    neither = read_gguf(apart)
+    for il in range(6):
+        del neither.tensors[f"blk.{il}.ffn_gate_exps.weight"]
+    with pytest.raises(UnsupportedModelError, match="layer 0: its experts need ffn_gate_up_exps.weight, or"):
+        build_model_ir(neither)
+
+
+def test_diff_names_the_router_of_experts_beside_the_mlp(tmp_path, perturbed_weight):
+    """A perturbed router input scale of layer 1 (ours only): the diff names the router's logits."""
+    from alchemist.fixtures import write_fixture
+    from alchemist.harness import validate as validate_mod
+
+    path = str(write_fixture(tmp_path / "m.gguf", "gemma4:moe"))
+    perturbed_weight("blk.1.ffn_gate_inp.scale", 1.05)
+    diff = validate_mod.diff_model(path, "c", PROMPT[:6])
+    assert diff["first_divergence"] == "ffn_moe_logits-1"
 
 
 def test_gemma4_composes_as_a_graph(tmp_path, composes_as_a_graph):

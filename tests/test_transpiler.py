@@ -22,6 +22,7 @@ from alchemist.fixtures import FixtureConfig, write_fixture
 from alchemist.gguf_io import read_gguf
 from alchemist.ir import MLPKind, RopeStyle
 from alchemist.runtime.api import write_generated
+from gguf_copy import rewrite_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -122,59 +123,28 @@ def test_fixture_ir_per_family(tiny_gguf, arch, style, tied, qk_norm, bias, wind
 # ------------------------------------------------------------------------------ clear errors
 
 
-def _rewrite(src: Path, dst: Path, arch: str | None = None, drop: set[str] = frozenset(), extra=None, name=None):
-    """Copy a GGUF with gguf-py, optionally renaming the architecture, dropping or adding tensors."""
-    r = gguf.GGUFReader(str(src))
-    old_arch = r.fields["general.architecture"].contents()
-    arch = arch or old_arch
-    w = gguf.GGUFWriter(str(dst), arch)
-    for key, field in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        new_key = key.replace(f"{old_arch}.", f"{arch}.", 1) if key.startswith(f"{old_arch}.") else key
-        value = field.contents()
-        if key == "general.name" and name is not None:
-            value = name
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(new_key, value, vtype, sub_type=field.types[-1])
-        else:
-            w.add_key_value(new_key, value, vtype)
-    for t in r.tensors:
-        if t.name in drop:
-            continue
-        w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(int(x) for x in reversed(t.shape))))
-    for tname, arr in (extra or {}).items():
-        w.add_tensor(tname, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 def test_unknown_architecture_is_a_clear_error(tiny_gguf, tmp_path):
-    p = _rewrite(tiny_gguf("llama"), tmp_path / "mamba.gguf", arch="mamba")
+    p = rewrite_gguf(tiny_gguf("llama"), tmp_path / "mamba.gguf", arch="mamba")
     with pytest.raises(UnsupportedModelError, match=r"architecture 'mamba' is not supported \(supported: cohere2, command-r, deepseek2, exaone"):
         build_model_ir(read_gguf(p))
 
 
 def test_missing_tensor_lists_what_is_missing(tiny_gguf, tmp_path):
-    p = _rewrite(tiny_gguf("qwen2"), tmp_path / "q.gguf", drop={"blk.1.ffn_up.weight", "output_norm.weight"})
+    p = rewrite_gguf(tiny_gguf("qwen2"), tmp_path / "q.gguf", drop={"blk.1.ffn_up.weight", "output_norm.weight"})
     with pytest.raises(UnsupportedModelError, match="missing tensors") as e:
         build_model_ir(read_gguf(p))
     assert "blk.1.ffn_up.weight" in str(e.value) and "output_norm.weight" in str(e.value)
 
 
 def test_unexpected_tensor_is_named(tiny_gguf, tmp_path):
-    p = _rewrite(tiny_gguf("qwen3"), tmp_path / "q.gguf", extra={"blk.0.mystery.weight": np.zeros(4, np.float32)})
+    p = rewrite_gguf(tiny_gguf("qwen3"), tmp_path / "q.gguf", extra={"blk.0.mystery.weight": np.zeros(4, np.float32)})
     with pytest.raises(UnsupportedModelError, match=r"does not know: 'blk.0.mystery.weight'"):
         build_model_ir(read_gguf(p))
 
 
 def test_wrong_tensor_shape_is_named(tiny_gguf, tmp_path):
     bad = np.zeros((64, 256), np.float32)  # attn_k should be (n_kv_head * head_dim = 128, 256)
-    p = _rewrite(tiny_gguf("llama"), tmp_path / "l.gguf", drop={"blk.0.attn_k.weight"}, extra={"blk.0.attn_k.weight": bad})
+    p = rewrite_gguf(tiny_gguf("llama"), tmp_path / "l.gguf", drop={"blk.0.attn_k.weight"}, extra={"blk.0.attn_k.weight": bad})
     with pytest.raises(GGUFError, match=r"blk.0.attn_k.weight.*expected \[128, 256\]"):
         build_model_ir(read_gguf(p))
 
@@ -271,7 +241,7 @@ PAYLOAD = "x\"\"\"'); import os; os.environ['ALCHEMIST_PWNED']='1' #\n{{ 7*7 }}{
 
 
 def test_malicious_metadata_is_inert(tiny_gguf, tmp_path):
-    p = _rewrite(tiny_gguf("qwen2"), tmp_path / "evil.gguf", name=PAYLOAD)
+    p = rewrite_gguf(tiny_gguf("qwen2"), tmp_path / "evil.gguf", name=PAYLOAD)
     ir = build_model_ir(read_gguf(p))
     assert ir.model_name == PAYLOAD
     target = write_generated(ir, tmp_path / "gen")
@@ -291,7 +261,7 @@ def test_malicious_metadata_is_inert(tiny_gguf, tmp_path):
 
 def test_malicious_tensor_name_is_refused_not_emitted(tiny_gguf, tmp_path):
     evil = "blk.0.x'); __import__('os').system('echo pwned'); ('"
-    p = _rewrite(tiny_gguf("qwen2"), tmp_path / "evil.gguf", extra={evil: np.zeros(4, np.float32)})
+    p = rewrite_gguf(tiny_gguf("qwen2"), tmp_path / "evil.gguf", extra={evil: np.zeros(4, np.float32)})
     with pytest.raises(UnsupportedModelError) as e:
         build_model_ir(read_gguf(p))
     assert repr(evil) in str(e.value)

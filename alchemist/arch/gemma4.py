@@ -18,9 +18,13 @@ RMS-normed without a weight, and:
 - layer_output_scale: a scalar multiplying each layer's output;
 - values from keys: a layer without attn_v (the global layers of the larger models, attention_k_eq_v) takes its
   keys' projection as its values, RMS-normed without a weight like any value;
-- final logit softcapping (final_logit_softcapping, llama_hparams' default 30).
-Norm weights multiply as stored (the converter adds no +1). The mixture-of-experts files (26B-A4B: a router with
-its own input scale, experts beside the dense MLP) are not supported: their tensors are refused by name.
+- final logit softcapping (final_logit_softcapping, llama_hparams' default 30);
+- experts beside the dense MLP (expert_count > 0, the 26B-A4B): every layer's FFN is
+  post_ffw_norm_1(mlp(ffn_norm(x))) + post_ffw_norm_2(experts(pre_ffw_norm_2(x))); the router reads
+  rms_norm(x) / sqrt(n_embd) · ffn_gate_inp.scale, softmax over all experts, top-k, weights renormalized; each
+  expert a GELU-gated MLP of expert_feed_forward_length, gate and up stacked in ffn_gate_up_exps (or apart), its
+  output times its ffn_down_exps.scale.
+Norm weights multiply as stored (the converter adds no +1).
 """
 
 import dataclasses
@@ -29,6 +33,7 @@ import math
 import numpy as np
 
 from alchemist.arch.family import (
+    ExpertRouting,
     Family,
     FixtureSpec,
     Hparams,
@@ -42,6 +47,7 @@ from alchemist.arch.table import (
     ATTN_POST_NORM,
     ATTN_QKV_SPLIT,
     FFN_GATED,
+    FFN_MOE_BESIDE_MLP,
     FFN_NORM,
     FFN_POST_NORM,
     LAYER_OUT_SCALE,
@@ -52,11 +58,15 @@ from alchemist.arch.table import (
     ROPE_FREQS,
     TOKEN_EMBD,
     Dims,
+    only_in_ffn,
     optional,
 )
 from alchemist.errors import UnsupportedModelError
 from alchemist.ir import (
     Activation,
+    BranchNorms,
+    MLPKind,
+    MLPSpec,
     ModelIR,
     NormKind,
     NormSpec,
@@ -115,6 +125,46 @@ def _layer_dims(hp: Hparams, dims: Dims, il: int, sliding: bool) -> Dims:
     )
 
 
+def _layer_ffns(hp: Hparams, n_layer: int) -> list[str]:
+    """Every layer's FFN has experts beside its MLP in a file with experts (llama.cpp decides by ffn_gate_inp)."""
+    return ["moe" if hp.int("expert_count", default=0) else "dense"] * n_layer
+
+
+def _experts_beside_mlp(lay, n_ff: int, bound: set[str], where: str) -> MLPSpec:
+    """Layer lay's FFN as experts beside its dense MLP, each branch with its own norms (llama.cpp's is_moe_layer)."""
+    il, mlp, p = lay.index, lay.mlp, f"blk.{lay.index}."
+    fused = p + "ffn_gate_up_exps.weight" in bound
+    apart = p + "ffn_gate_exps.weight" in bound and p + "ffn_up_exps.weight" in bound
+    if fused == apart:
+        raise UnsupportedModelError(
+            f"{where} layer {il}: its experts need ffn_gate_up_exps.weight, or ffn_gate_exps.weight and "
+            "ffn_up_exps.weight (not both)"
+        )
+    rms = lay.ffn_norm.kind
+    return dataclasses.replace(
+        mlp,
+        up="ffn_gate_up_exps.weight" if fused else mlp.up,
+        gate=None if fused else "ffn_gate_exps.weight",
+        gate_up_fused=fused,
+        router=dataclasses.replace(mlp.router, input_scale="ffn_gate_inp.scale"),
+        down_scale="ffn_down_exps.scale" if p + "ffn_down_exps.scale" in bound else None,
+        shared=MLPSpec(
+            kind=MLPKind.GATED,
+            activation=mlp.activation,
+            n_ff=n_ff,
+            up="ffn_up.weight",
+            down="ffn_down.weight",
+            gate="ffn_gate.weight",
+        ),
+        branch_norms=BranchNorms(
+            shared_in=lay.ffn_norm,
+            shared_out=NormSpec(rms, "post_ffw_norm_1.weight"),
+            experts_in=NormSpec(rms, "pre_ffw_norm_2.weight"),
+            experts_out=NormSpec(rms, "post_ffw_norm_2.weight"),
+        ),
+    )
+
+
 def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
     where = f"{hp.facts.path}: gemma4"
     sliding = [lay.attention.sliding_window > 0 for lay in ir.layers]
@@ -126,6 +176,7 @@ def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
     if width and "per_layer_token_embd.weight" not in bound:
         raise UnsupportedModelError(f"{where}: per-layer inputs of {width} without per_layer_token_embd.weight")
     gate = PerLayerGateSpec("inp_gate.weight", "proj.weight", NormSpec(NormKind.RMS, "post_norm.weight"))
+    widths = hp.ints("feed_forward_length", ir.n_layer) or [hp.int("feed_forward_length")] * ir.n_layer
     layers = []
     for lay in ir.layers:
         il = lay.index
@@ -137,10 +188,13 @@ def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
                 raise UnsupportedModelError(f"{where} layer {il} writes a KV cache but has no {', '.join(missing)}")
             v = "attn_v.weight" if f"blk.{il}.attn_v.weight" in bound else None  # None: values from the keys
         attention = dataclasses.replace(lay.attention, v=v, kv_layer=kv_layer, v_norm=NormSpec(NormKind.RMS, None))
+        routed = lay.mlp.router is not None
         layers.append(
             dataclasses.replace(
                 lay,
                 attention=attention,
+                mlp=_experts_beside_mlp(lay, widths[il], bound, where) if routed else lay.mlp,
+                ffn_norm=None if routed else lay.ffn_norm,  # the branches' own
                 per_layer_gate=gate if width else None,
                 out_scale="layer_output_scale.weight" if f"blk.{il}.layer_output_scale.weight" in bound else None,
             )
@@ -177,12 +231,15 @@ FAMILY = Family(
     + FFN_GATED
     + FFN_POST_NORM
     + optional(*PER_LAYER_INPUTS)
-    + optional(*LAYER_OUT_SCALE),
+    + optional(*LAYER_OUT_SCALE)
+    + only_in_ffn("moe", *FFN_MOE_BESIDE_MLP),
     rope=RopeStyle.NEOX,
     activation=Activation.GELU_TANH,
     score_scale=lambda hp, head_dim: 1.0,  # f_attention_scale: q and k are RMS-normed
     embedding_scale=lambda hp: math.sqrt(hp.int("embedding_length")),
     final_softcap=lambda hp: hp.float("final_logit_softcapping", default=30.0, positive=True),
+    layer_ffns=_layer_ffns,
+    moe=ExpertRouting(expert_width=lambda hp, n_expert_used: hp.int("expert_feed_forward_length", minimum=1)),
     sliding_layers=every_nth_dense(6),
     swa_rope=lambda hp, base, scale: (hp.float("rope.freq_base_swa", default=10000.0, positive=True), 1.0),
     swa_plain_rope=True,  # rope_freqs (the global layers' proportional RoPE) is not the sliding layers'
@@ -229,6 +286,28 @@ FAMILY = Family(
                     ),
                     embedding_std=0.5,
                     scales=gemma_fixture_scales(0.3),
+                ),
+            ),
+            # the 26B-A4B's shape: the 31B's attention, and in every layer 8 experts (2 per token) beside the MLP;
+            # the router's scale times sqrt(n_embd) undoes its input's 1/sqrt(n_embd), for a decisive router
+            (
+                "moe",
+                FixtureSpec(
+                    vocab="spm",
+                    n_layer=6,
+                    optional=FIXTURE_OPTIONAL + ("blk.{il}.ffn_gate_up_exps.weight", "blk.{il}.ffn_down_exps.scale"),
+                    absent=("blk.3.attn_v.weight", "blk.5.attn_v.weight"),
+                    metadata=FIXTURE_LAYERS
+                    + (
+                        ("embedding_length_per_layer_input", 0),
+                        ("final_logit_softcapping", 30.0),
+                        ("expert_count", 8),
+                        ("expert_used_count", 2),
+                        ("expert_feed_forward_length", 128),
+                    ),
+                    embedding_std=0.5,
+                    scales=gemma_fixture_scales(0.3)
+                    + (("blk.{il}.ffn_gate_up_exps.weight", 50.0), ("blk.{il}.ffn_gate_inp.scale", 16.0)),
                 ),
             ),
         ),

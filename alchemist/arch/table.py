@@ -97,6 +97,7 @@ class Dims:
             "n_kv": self.n_kv_head * self.head_dim,
             "n_qkv": (self.n_head + 2 * self.n_kv_head) * self.head_dim,
             "n_ff2": 2 * self.n_ff,
+            "n_ff_exp2": 2 * self.n_ff_exp,
             "rope_half": self.rope_dim // 2,
             "n_embd3": 3 * self.n_embd,
             "n_embd2": 2 * self.n_embd,
@@ -295,6 +296,20 @@ FFN_MOE_BIAS = (  # one bias row per expert
     T(_blk("ffn_gate_exps.bias"), "bias", "n_expert", "n_ff_exp"),
     T(_blk("ffn_up_exps.bias"), "bias", "n_expert", "n_ff_exp"),
     T(_blk("ffn_down_exps.bias"), "bias", "n_expert", "n_embd"),
+)
+# experts beside a dense MLP, each branch with its own norms in and out (Gemma 4's 26B-A4B; the dense MLP's
+# are ffn_norm and post_ffw_norm_1): the router reads the RMS-normed input times its own scale; each expert's
+# gate and up stacked as [gate | up] (or apart), its output times the expert's scale
+FFN_MOE_BESIDE_MLP = (
+    T(_blk("ffn_gate_inp.weight"), "linear", "n_expert", "n_embd"),
+    T(_blk("ffn_gate_inp.scale"), "scale", "n_embd"),
+    T(_blk("pre_ffw_norm_2.weight"), "norm", "n_embd"),
+    T(_blk("post_ffw_norm_1.weight"), "norm", "n_embd"),
+    T(_blk("post_ffw_norm_2.weight"), "norm", "n_embd"),
+    T(_blk("ffn_gate_up_exps.weight"), "experts", "n_expert", "n_ff_exp2", "n_embd").optional(),
+    *(s.optional() for s in FFN_MOE[1:3]),
+    FFN_MOE[3],
+    T(_blk("ffn_down_exps.scale"), "scale", "n_expert").optional(),
 )
 # the shared expert (a dense gated MLP every token goes through beside the routed ones)
 FFN_SHEXP = (

@@ -16,6 +16,7 @@ from pathlib import Path
 import black
 import jinja2
 import libcst
+import numpy as np
 
 from alchemist.version import __version__
 from alchemist import ir as ir_module
@@ -188,6 +189,10 @@ def check_renderable(ir: ModelIR) -> None:
             problems.append("a shared expert's gate without a shared expert")
         if mlp.shared and (mlp.shared.kind is not MLPKind.GATED or mlp.activation is Activation.SWIGLU_OAI):
             problems.append("a shared expert other than a gated MLP, or beside swiglu_oai experts")
+        if mlp.branch_norms and not mlp.shared:
+            problems.append("norms of a shared expert and routed experts without a shared expert")
+        if mlp.gate_up_fused and (mlp.gate or mlp.gate_bias or mlp.up_bias or mlp.activation is Activation.SWIGLU_OAI):
+            problems.append("experts' gate and up stacked in one tensor beside a gate tensor, biases or swiglu_oai")
     dense, moe = _ffn_kinds(ir)
     if dense and moe and (dense.kind is not MLPKind.GATED or dense.activation is not moe.activation):
         problems.append("dense layers beside expert layers need a gated MLP of the same activation")
@@ -427,6 +432,10 @@ def _constant_rows(ir: ModelIR) -> list[tuple[str, object, str]]:
             rows.append(("N_FF_SHARED", moe.shared.n_ff, "the shared expert's MLP width"))
         if moe.router.weight_scale != 1.0:
             rows.append(("EXPERT_WEIGHT_SCALE", moe.router.weight_scale, "multiplies the routing weights"))
+        if moe.router.input_scale:
+            # llama.cpp's 1.0f / sqrtf((float) n_embd), in float32
+            scale = float(np.float32(1.0) / np.sqrt(np.float32(ir.n_embd)))
+            rows.append(("ROUTER_INPUT_SCALE", scale, "the router reads rms_norm(x) times this, 1 / sqrt(N_EMBD)"))
         if moe.router.n_group:
             rows.append(("N_EXPERT_GROUP", moe.router.n_group, "groups of experts, each N_EXPERT / N_EXPERT_GROUP"))
             rows.append(("N_EXPERT_GROUP_USED", moe.router.n_group_used, "groups a token chooses its experts in"))

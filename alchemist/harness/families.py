@@ -114,8 +114,16 @@ def quirks(ir: ModelIR) -> list[str]:
         where = f" after {n_dense} dense layer{'s' if n_dense > 1 else ''}" if n_dense and leading else ""
         if n_dense and not leading:
             where = f" in {ir.n_layer - n_dense} of {ir.n_layer} layers"
-        groups = f", best {r.n_group_used} of {r.n_group} groups" if r.n_group else ""
-        bias = groups + (", selection bias" if r.selection_bias else "") + (", shared expert" if moe.shared else "")
+        notes = (
+            (r.n_group, f"best {r.n_group_used} of {r.n_group} groups"),
+            (r.selection_bias, "selection bias"),
+            (r.input_scale, "scaled router input"),
+            (moe.branch_norms, "beside the MLP, each normed in and out"),
+            (moe.shared and not moe.branch_norms, "shared expert"),
+            (moe.gate_up_fused, "stacked gate and up"),
+            (moe.down_scale, "expert scales"),
+        )
+        bias = "".join(f", {text}" for on, text in notes if on)
         out.append(
             f"mixture of experts ({r.n_expert} experts, top-{r.n_expert_used}, {r.gating.value} router{bias}{act})"
             + where
