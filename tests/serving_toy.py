@@ -63,7 +63,7 @@ class ToySlotEngine:
             self.stats.decode_rows += len(slots)
             return np.stack([self._logits(s, p) for s, p in zip(slots, positions)])
 
-    def prefill(self, slot, ids, start) -> np.ndarray:
+    def prefill(self, slot, ids, start, all_rows=False) -> np.ndarray:
         if start % self.chunk or not 0 < len(ids) <= self.chunk:
             raise AlchemistError(f"prefill chunk must start at a multiple of {self.chunk} and hold 1..{self.chunk} ids")
         with self.lock:
@@ -71,6 +71,8 @@ class ToySlotEngine:
             self.kv[slot, start : start + len(ids)] = ids
             self.stats.prefill_chunks += 1
             self.stats.prefill_tokens += len(ids)
+            if all_rows:
+                return np.stack([self._logits(slot, p) for p in range(start, start + len(ids))])
             return self._logits(slot, start + len(ids) - 1)
 
     def chunk_plan(self, n: int, start: int = 0) -> list[tuple[int, int]]:

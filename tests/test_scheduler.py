@@ -227,6 +227,30 @@ def test_logprobs_are_the_raw_log_softmax(tok):
     assert all(a[1] >= b[1] for a, b in zip(top0, top0[1:]))
 
 
+def test_a_scored_prompt_gets_every_positions_log_softmax_from_its_prefill(tok):
+    """prompt_logprobs: the prefill keeps every row's logits; token i's logprob is the raw log-softmax of position
+    i - 1's (None for the first), with the top-k there; max_tokens 0 scores only; the tokens generated after a scored
+    prompt are those of the same request unscored; a scored prompt is prefilled whole, never taken from a cache."""
+    p = prompts(1, seed=21, lo=11, hi=12)[0]  # 11 tokens: chunks of 4, 4 and 3
+    engine = toy(n_slots=2, chunk=4)
+    rows = np.concatenate([engine.prefill(0, p[a:b], a, all_rows=True) for a, b in engine.chunk_plan(len(p))])
+    z = rows.astype(np.float64)
+    want = z - (z.max(axis=1, keepdims=True) + np.log(np.exp(z - z.max(axis=1, keepdims=True)).sum(1, keepdims=True)))
+    s = Scheduler(toy(n_slots=2, chunk=4), tok)
+    unscored = s.generate(Request(p, max_tokens=5))
+    scored = s.generate(Request(p, max_tokens=5, prompt_logprobs=3))
+    assert scored.usage["cached_tokens"] == 0 and unscored.token_ids == scored.token_ids
+    only = s.generate(Request(p, max_tokens=0, prompt_logprobs=0))
+    assert only.finish_reason == "length" and only.token_ids == [] and only.usage["completion_tokens"] == 0
+    for c, k in ((scored, 3), (only, 0)):
+        assert len(c.prompt_logprobs) == len(p) and c.prompt_logprobs[0] == (None, [])
+        for i, (lp, top) in enumerate(c.prompt_logprobs[1:], start=1):
+            assert lp == pytest.approx(want[i - 1, p[i]], abs=1e-9)
+            assert [t for t, _ in top] == list(np.argsort(-want[i - 1], kind="stable")[:k])
+    with pytest.raises(AlchemistError, match="prompt_logprobs must be >= 0"):
+        s.submit(Request(p, prompt_logprobs=-1))
+
+
 def test_threaded_generate_from_many_threads(tok):
     ps = prompts(6, seed=10)
     want = [solo(tok, p, 9).token_ids for p in ps]

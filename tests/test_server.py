@@ -192,8 +192,10 @@ BAD = [
     ("max_tokens over the context", CHAT, {**GOOD, "max_tokens": CONTEXT}, 400, "context_length_exceeded", None),
     ("prompt over the context", COMP, {"model": MODEL, "prompt": [5] * (CONTEXT + 1)}, 400, "context_length_exceeded", None),
     ("token id out of range", COMP, {"model": MODEL, "prompt": [5, 99999]}, 400, None, "prompt"),
-    ("two prompts", COMP, {"model": MODEL, "prompt": ["a", "b"]}, 400, None, "prompt"),
-    ("echo", COMP, {"model": MODEL, "prompt": "a", "echo": True}, 400, None, "echo"),
+    ("too many prompts", COMP, {"model": MODEL, "prompt": ["a"] * 33}, 400, None, "prompt"),
+    ("empty prompt list", COMP, {"model": MODEL, "prompt": []}, 400, None, "prompt"),
+    ("a later prompt over the context", COMP, {"prompt": [[5], [5] * (CONTEXT + 1)]}, 400, "context_length_exceeded", None),
+    ("scoring on a scheduler without it", COMP, {"prompt": "a", "echo": True, "logprobs": 1}, 400, None, "echo"),
     ("nested too deeply", CHAT, b"[" * 100_000 + b"]" * 100_000, 400, None, None),
 ]  # fmt: skip
 
@@ -389,6 +391,77 @@ def test_extreme_sampling_values_answer_greedily_beside_a_running_stream(tokeniz
                     assert r.json()["choices"][0]["text"] == greedy, extreme
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2].replace(" ", "")
+
+
+@pytest.fixture(scope="module")
+def scoring_server(tokenizer):
+    """The app over alchemist.serve.scheduler.Scheduler (which scores prompts) on the toy engine."""
+    from alchemist.serve.scheduler import Scheduler
+
+    sched = Scheduler(ToySlotEngine(tokenizer.vocab_size, n_slots=4, capacity=CONTEXT, chunk=4), tokenizer)
+    with running(create_app(sched, tokenizer, MODEL, drain_s=3.0)) as url:
+        yield sched, url
+
+
+def test_echo_with_logprobs_scores_the_prompt_in_the_legacy_format(scoring_server, tokenizer):
+    """echo + logprobs (lm-evaluation-harness's log-likelihood request): the prompt's tokens come first, the first
+    with a null logprob and null alternatives, each other's logprob the scheduler's prompt score; max_tokens 0
+    scores only; text_offset counts characters from the prompt's start; the official client reads it."""
+    from alchemist.serve.scheduler import Request
+
+    sched, url = scoring_server
+    ids = tokenizer.encode("the quick brown fox jumps over")
+    want = sched.generate(Request(list(ids), max_tokens=1, prompt_logprobs=2, logprobs=2))
+    r = httpx.post(url + COMP, json={"prompt": [ids], "echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0})
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    n = len(ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:n] == pytest.approx([x for x, _ in want.prompt_logprobs[1:]], abs=1e-6)
+    assert lp["token_logprobs"][n] == pytest.approx(want.logprobs[0][0], abs=1e-6)
+    assert all(len(top) <= 2 and max(top.values()) >= x for top, x in zip(lp["top_logprobs"][1:], lp["token_logprobs"][1:]))
+    prompt_text = tokenizer.decode(ids)
+    assert choice["text"] == prompt_text + want.text and lp["text_offset"][0] == 0
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][n] == len(prompt_text)
+    assert "".join(lp["tokens"][:n]) == prompt_text
+    only = httpx.post(url + COMP, json={"prompt": [ids], "echo": True, "logprobs": 0, "max_tokens": 0}).json()
+    assert only["choices"][0]["text"] == prompt_text and only["usage"]["completion_tokens"] == 0
+    assert only["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:n]
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    c = client.completions.create(model=MODEL, prompt="the quick brown fox jumps over", echo=True, logprobs=1,
+                                  max_tokens=0)  # fmt: skip
+    assert c.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp["token_logprobs"][1:n], abs=1e-6)
+
+
+def test_a_list_of_prompts_answers_a_choice_each_in_order(scoring_server, tokenizer):
+    """Prompts as a list of strings or of token-id lists: each its own choice, `index` in order, each what it gets
+    alone; streamed, every chunk names its choice and each choice ends with its finish_reason; echo puts each
+    prompt before its text."""
+    sched, url = scoring_server
+    texts = ["first of three", "the second one is longer than that", "3"]
+    body = {"max_tokens": 6, "temperature": 0}
+    alone = [httpx.post(url + COMP, json={**body, "prompt": t}).json()["choices"][0]["text"] for t in texts]
+    assert len(set(alone)) > 1
+    r = httpx.post(url + COMP, json={**body, "prompt": texts}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2] and [c["text"] for c in r["choices"]] == alone
+    ids = [tokenizer.encode(t) for t in texts]
+    echoed = httpx.post(url + COMP, json={**body, "prompt": ids, "echo": True}).json()
+    assert [c["text"] for c in echoed["choices"]] == [tokenizer.decode(i) + a for i, a in zip(ids, alone)]
+    assert echoed["usage"]["prompt_tokens"] == sum(map(len, ids))
+    streamed = {i: "" for i in range(3)}
+    finished = set()
+    r = httpx.post(url + COMP, json={**body, "prompt": texts, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = sse_chunks(r.text)
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        assert choice["index"] not in finished
+        streamed[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finished.add(choice["index"])
+    assert finished == {0, 1, 2} and [streamed[i] for i in range(3)] == alone
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 18
 
 
 # ---------------------------------------------------------------------------------------------- `alchemist serve`

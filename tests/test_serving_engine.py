@@ -167,6 +167,21 @@ def test_batched_logits_equal_unbatched(slot_engines, reference_logits, arch, we
         np.testing.assert_array_equal(ours.argmax(1), want[rows].argmax(1))
 
 
+def test_a_prefill_of_every_row_gives_every_positions_logits(slot_engines, reference_logits):
+    """all_rows (a scored prompt): each chunk's prefill gives the logits of every real token, those of the
+    single-sequence engine at every position, and the last one is what the last-row prefill gives."""
+    se = slot_engines("qwen2", "F32", "c")
+    seq = _sequences(se.n_vocab, (11,), seed=5)[0]  # chunks of 4, 4 and 3
+    rows = [se.prefill(0, seq[a:b], a, all_rows=True) for a, b in se.chunk_plan(len(seq))]
+    assert [r.shape for r in rows] == [(4, se.n_vocab), (4, se.n_vocab), (3, se.n_vocab)]
+    ours, want = np.concatenate(rows), reference_logits("qwen2", "F32", seq)
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(ours.argmax(1), want.argmax(1))
+    last = [se.prefill(1, seq[a:b], a) for a, b in se.chunk_plan(len(seq))][-1]
+    np.testing.assert_allclose(last, rows[-1][-1], rtol=1e-5, atol=1e-5)
+    assert (1, 4, "all rows") in se.stats.compiled_shapes
+
+
 def _snapshot(se):
     return [sv.get_value().copy() for pair in se.cache for sv in pair]  # (slots + 1, rows, kv, dim) each
 

@@ -9,7 +9,8 @@ its window plus a chunk (a ring), so its slot memory does not grow with the cont
 
 Two kinds of compiled step, both the generated module's `forward(..., slots=)`:
 - decode (B, 1): one token of each of up to B sequences, padded to the next decode bucket;
-- prefill (1, T): one chunk of one sequence, T = chunk (or 8 for a short piece), at a chunk-aligned start.
+- prefill (1, T): one chunk of one sequence, T = chunk (or 8 for a short piece), at a chunk-aligned start,
+  giving the logits of its last token, or (compiled on first use, for scoring a prompt) of every token.
 Chunks start at absolute multiples of `chunk`, so a chunk never writes a ring row that one of its queries
 still reads, and the rows a slot holds can be reused by a later prompt with the same prefix.
 
@@ -163,14 +164,15 @@ class SlotEngine:
         return sum(int(np.prod(sv.type.shape[1:])) * 4 for caches in self.cache for sv in caches)
 
     # -- compilation -------------------------------------------------------------------------------
-    def _build(self, n_seq: int, n_tokens: int):
+    def _build(self, n_seq: int, n_tokens: int, all_rows: bool = False):
         tokens = pt.tensor("tokens", dtype="int64", shape=(n_seq, n_tokens))
         positions = pt.tensor("positions", dtype="int64", shape=(n_seq, n_tokens))
         slots = pt.tensor("slots", dtype="int64", shape=(n_seq,))
         attend_len = pt.scalar("attend_len", dtype="int64")
         n_valid = pt.scalar("n_valid", dtype="int64")
-        # decode: the logits of the real rows only (padding rows come last); prefill: of its last real token
-        rows = pt.arange(n_valid) if n_tokens == 1 else (n_valid - 1)[None]
+        # decode: the logits of the real rows only (padding rows come last); prefill: of its last real token, or
+        # of each of its real tokens (all_rows: a prompt's log-probabilities)
+        rows = pt.arange(n_valid) if n_tokens == 1 or all_rows else (n_valid - 1)[None]
         logits, new_cache = self.module.forward(
             self.engine.weights,
             tokens,
@@ -224,10 +226,10 @@ class SlotEngine:
         logits, *flat = fgraph.outputs
         return logits, regroup(flat, new_cache)
 
-    def step_function(self, n_seq: int, n_tokens: int):
+    def step_function(self, n_seq: int, n_tokens: int, all_rows: bool = False):
         """The compiled step for n_seq sequences of n_tokens tokens (compiled, or linked from the graph cache,
-        on first use)."""
-        key = (n_seq, n_tokens)
+        on first use); all_rows: a prefill that gives every real token's logits."""
+        key = (n_seq, n_tokens, "all rows") if all_rows else (n_seq, n_tokens)
         fn = self._functions.get(key)
         if fn is not None:
             return fn
@@ -237,9 +239,9 @@ class SlotEngine:
                 return fn
             t0 = time.perf_counter()
             shared = self._shared_by_name()
-            cache_key = self._graph_cache_key(n_seq, n_tokens, shared)
+            cache_key = self._graph_cache_key(n_seq, n_tokens, shared, all_rows)
             fn = load_or_compile(
-                self.stats, t0, cache_key, shared, self.engine.mode, lambda: self._build(n_seq, n_tokens)
+                self.stats, t0, cache_key, shared, self.engine.mode, lambda: self._build(n_seq, n_tokens, all_rows)
             )
             self.stats.compiled_shapes.append(key)
             self._functions[key] = fn
@@ -251,7 +253,7 @@ class SlotEngine:
             shared.update((sv.name, sv) for sv in caches)
         return shared
 
-    def _graph_cache_key(self, n_seq: int, n_tokens: int, shared: dict) -> str | None:
+    def _graph_cache_key(self, n_seq: int, n_tokens: int, shared: dict, all_rows: bool = False) -> str | None:
         if not graph_cache.enabled() or not is_as_imported(self.module):
             return None
         if self.engine.backend == "numba":
@@ -268,6 +270,7 @@ class SlotEngine:
             "capacity": self.capacity,
             "static": self.engine.static,
             "numerics": self.engine.numerics,
+            **({"all_rows": True} if all_rows else {}),  # absent otherwise: the cached steps keep their keys
         }
         return graph_cache.step_key(
             getattr(self.module, _SOURCE_SHA256), self.engine.backend, self.engine.mode, shared, spec
@@ -336,10 +339,10 @@ class SlotEngine:
                 self._checkpoint(s, p + 1)
         return np.asarray(out, dtype=np.float32)[:n]
 
-    def prefill(self, slot: int, ids: Sequence[int], start: int) -> np.ndarray:
+    def prefill(self, slot: int, ids: Sequence[int], start: int, all_rows: bool = False) -> np.ndarray:
         """Write the KV of ids at positions start..start+len(ids)-1 of `slot` and return the float32 logits
-        (n_vocab,) of the last id. One call = one chunk: `start` is a multiple of `chunk` and len(ids) <= chunk
-        (use chunk_plan)."""
+        (n_vocab,) of the last id, or with all_rows those of every id, (len(ids), n_vocab). One call = one chunk:
+        `start` is a multiple of `chunk` and len(ids) <= chunk (use chunk_plan)."""
         slot = self._check_slot(slot)
         ids = self._check_tokens(ids)
         start = int(start)
@@ -359,12 +362,13 @@ class SlotEngine:
         tok[0, : len(ids)] = ids
         pos = (start + np.arange(size, dtype=np.int64))[None, :]
         with self.lock:
-            fn = self.step_function(1, size)
+            fn = self.step_function(1, size, all_rows)
             out = fn(tok, pos, np.array([slot], np.int64), np.int64(start + len(ids)), np.int64(len(ids)))
             self.stats.prefill_chunks += 1
             self.stats.prefill_tokens += len(ids)
             self._checkpoint(slot, start + len(ids))
-        return np.asarray(out, dtype=np.float32)[0]
+        out = np.asarray(out, dtype=np.float32)
+        return out if all_rows else out[0]
 
     def chunk_plan(self, n: int, start: int = 0) -> list[tuple[int, int]]:
         """[(a, b), ...] position ranges covering [start, n), boundaries at absolute multiples of chunk."""

@@ -26,12 +26,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from alchemist.errors import AlchemistError
 from alchemist.runtime.sampling import SamplingParams
-from alchemist.serve.events import DoneEvent, QueueFull, SchedulerClosed
+from alchemist.serve.events import DoneEvent, PromptEvent, QueueFull, SchedulerClosed, TokenEvent
 from alchemist.serve.guard import RequestGuard
 from alchemist.serve.guard import openai_error as _error_response
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOP = 16
+MAX_PROMPTS = 32  # prompts in one /v1/completions request (each its own choice)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_WINDOW_S = 10.0
 DISCONNECT_POLL_S = 0.25  # how often a whole (non-streamed) answer asks whether its client is still there
@@ -68,6 +69,7 @@ class _Common(_Strict):
 
 class CompletionBody(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (with echo and logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
     best_of: int | None = None
@@ -134,8 +136,6 @@ def _unsupported(body: _Common) -> None:
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
     if isinstance(body, CompletionBody):
-        if body.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
         if body.best_of not in (None, 1):
             raise ApiError(400, "only best_of=1 is supported", param="best_of")
         if body.suffix:
@@ -344,26 +344,32 @@ def create_app(
                            "completion)", param="max_tokens", code="context_length_exceeded")  # fmt: skip
         return min(max_tokens, ctx - n_prompt)
 
-    def _submit(prompt: list[int], body: _Common, max_tokens: int, logprobs: int | None):
+    def _submit(prompt: list[int], body: _Common, max_tokens: int, logprobs: int | None, q: asyncio.Queue,
+                index: int = 0, prompt_logprobs: int | None = None):  # fmt: skip
+        """Queue one choice's request; its events arrive in q as (index, event)."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
 
         def sink(ev) -> None:  # the scheduler thread: never block, never raise
-            if not isinstance(ev, DoneEvent):
+            if isinstance(ev, TokenEvent):
                 rate.add()
             try:
-                loop.call_soon_threadsafe(q.put_nowait, ev)
+                loop.call_soon_threadsafe(q.put_nowait, (index, ev))
             except RuntimeError:  # the loop has closed (shutdown)
                 pass
 
-        extra = {"ignore_eos": True} if body.ignore_eos else {}  # not in every scheduler's Request: only when asked
+        # not in every scheduler's Request: only when asked
+        extra = {"ignore_eos": True} if body.ignore_eos else {}
+        if prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs
         try:
             req = request_cls(
                 prompt=prompt, params=_sampling(body), max_tokens=max_tokens, stop=_stop_list(body.stop),
                 logprobs=logprobs, sink=sink, **extra,
             )  # fmt: skip
         except TypeError:
-            raise ApiError(400, "ignore_eos is not supported by this server's scheduler", param="ignore_eos") from None
+            asked = "echo with logprobs" if prompt_logprobs is not None else "ignore_eos"
+            raise ApiError(400, f"{asked} is not supported by this server's scheduler",
+                           param="echo" if prompt_logprobs is not None else "ignore_eos") from None  # fmt: skip
         try:
             scheduler.submit(req)
         except AlchemistError as e:
@@ -374,17 +380,18 @@ def create_app(
                 raise ApiError(503, str(e), "server_error", code="server_shutting_down") from None
             code = "context_length_exceeded" if "context" in str(e) else None
             raise ApiError(400, str(e), param="max_tokens" if code else None, code=code) from None
-        return req, q
+        return req
 
     def _piece(tid: int) -> tuple[str, list[int]]:
         b = tokenizer.token_to_piece(int(tid))
         return b.decode("utf-8", errors="replace"), list(b)
 
-    def _usage(done) -> dict:
-        u = dict(done.usage or {})
-        usage = {k: int(u.get(k, 0)) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-        if "cached_tokens" in u:
-            usage["prompt_tokens_details"] = {"cached_tokens": int(u["cached_tokens"])}
+    def _usage(dones) -> dict:
+        """The usage of a request's choices, summed."""
+        us = [dict(d.usage or {}) for d in dones]
+        usage = {k: sum(int(u.get(k, 0)) for u in us) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        if any("cached_tokens" in u for u in us):
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(int(u.get("cached_tokens", 0)) for u in us)}
         return usage
 
     def _end_error(done) -> ApiError | None:
@@ -395,50 +402,36 @@ def create_app(
                             code="cancelled")  # fmt: skip
         return None
 
-    async def _events(request: Request, req, q: asyncio.Queue, poll_disconnect: bool):
-        """Yield the request's events until its DoneEvent; cancel it if we are torn down or the client leaves."""
-        finished = False
+    async def _events(request: Request, reqs: list, q: asyncio.Queue, poll_disconnect: bool):
+        """Yield (index, event) of the requests' events until each has sent its DoneEvent; cancel those still
+        running if we are torn down or the client leaves."""
+        running = set(range(len(reqs)))
         loop = asyncio.get_running_loop()
         check_at = loop.time() + DISCONNECT_POLL_S
         try:
-            while True:
+            while running:
                 if poll_disconnect:
                     try:
-                        ev = await asyncio.wait_for(q.get(), max(0.0, check_at - loop.time()))
+                        item = await asyncio.wait_for(q.get(), max(0.0, check_at - loop.time()))
                     except TimeoutError:
-                        ev = None
+                        item = None
                     if loop.time() >= check_at:  # on a clock, not on silence: tokens arrive faster than that
                         if await request.is_disconnected():
                             return
                         check_at = loop.time() + DISCONNECT_POLL_S
-                    if ev is None:
+                    if item is None:
                         continue
                 else:
-                    ev = await q.get()
-                if isinstance(ev, DoneEvent):
-                    finished = True
-                yield ev
-                if finished:
-                    return
+                    item = await q.get()
+                if isinstance(item[1], DoneEvent):
+                    running.discard(item[0])
+                yield item
         finally:
-            if not finished:
-                scheduler.cancel(req.id)
+            for i in running:
+                scheduler.cancel(reqs[i].id)
 
     def _sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-    def _sse_end(done, final: list[dict], include_usage: bool):
-        """A stream's last events: the error, or the final chunks and (when asked) the usage chunk; then [DONE]."""
-        err = _end_error(done)
-        if err is not None:
-            yield _sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
-        else:
-            for c in final:
-                yield _sse(c)
-            if include_usage:
-                u = {k: final[-1][k] for k in ("id", "object", "created", "model")}
-                yield _sse({**u, "choices": [], "usage": _usage(done)})
-        yield "data: [DONE]\n\n"
 
     def _stream(gen) -> StreamingResponse:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -446,42 +439,66 @@ def create_app(
 
     # ------------------------------------------------------------------ the two answers' shapes
     class _CompletionShape:
-        """/v1/completions: text_completion objects; logprobs as tokens / token_logprobs / top_logprobs / offsets."""
+        """/v1/completions: text_completion objects, a choice per prompt; logprobs in the legacy format (tokens,
+        token_logprobs, top_logprobs, text_offset in characters from the prompt's start), the prompt's own first
+        when it is echoed and scored (its first token's logprob and alternatives null)."""
 
-        def __init__(self, rid: str, created: int, logprobs: int | None, prompt_chars: int):
-            # text_offset counts characters from the prompt's start (OpenAI's legacy format)
-            self.rid, self.created, self.want_logprobs, self.offset = rid, created, logprobs is not None, prompt_chars
+        def __init__(self, rid: str, created: int, logprobs: int | None, prompts: list, echo: bool):
+            # prompts: per choice (its text, its ids)
+            self.rid, self.created, self.want_logprobs, self.echo = rid, created, logprobs is not None, echo
+            self.prompts = prompts
+            self.offsets = [len(text) for text, _ in prompts]
+            self.scored = echo and logprobs is not None
 
-        def _chunk(self, text, finish=None, logprobs=None) -> dict:
-            c = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
+        def _chunk(self, index: int, text, finish=None, logprobs=None) -> dict:
+            c = {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
             return {"id": self.rid, "object": "text_completion", "created": self.created, "model": model_id,
                     "choices": [c]}  # fmt: skip
 
-        def logprob(self, ev) -> dict | None:
-            if ev.logprob is None:
-                return None
-            text, _ = _piece(ev.token_id)
-            top = {_piece(t)[0]: float(lp) for t, lp in (ev.top_logprobs or [])}
-            out = {"tokens": [text], "token_logprobs": [float(ev.logprob)], "top_logprobs": [top],
-                   "text_offset": [self.offset]}  # fmt: skip
-            self.offset += len(text)
+        def _entries(self, ids, lps, offset: int) -> dict:
+            out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for tid, (lp, top) in zip(ids, lps):
+                text, _ = _piece(tid)
+                out["tokens"].append(text)
+                out["token_logprobs"].append(None if lp is None else float(lp))
+                out["top_logprobs"].append(None if lp is None else {_piece(t)[0]: float(x) for t, x in top or []})
+                out["text_offset"].append(offset)
+                offset += len(text)
             return out
 
-        def first(self) -> list[dict]:
-            return []
+        def logprob(self, index: int, ev) -> dict | None:
+            if isinstance(ev, PromptEvent):
+                return self._entries(self.prompts[index][1], ev.logprobs, 0)
+            if ev.logprob is None:
+                return None
+            out = self._entries([ev.token_id], [(ev.logprob, ev.top_logprobs)], self.offsets[index])
+            self.offsets[index] += len(out["tokens"][0])
+            return out
 
-        def chunk(self, ev, logprob) -> dict | None:
-            return self._chunk(ev.text, logprobs=logprob) if ev.text or logprob is not None else None
+        def first(self) -> list[dict]:  # an echo without scores goes first; a scored one with its PromptEvent
+            return (
+                [self._chunk(i, text) for i, (text, _) in enumerate(self.prompts)]
+                if self.echo and not self.scored
+                else []
+            )
 
-        def final(self, done) -> list[dict]:
-            return [self._chunk(done.text, done.finish_reason)]
+        def chunk(self, index: int, ev, logprob) -> dict | None:
+            if isinstance(ev, PromptEvent):
+                return self._chunk(index, self.prompts[index][0], logprobs=logprob)
+            return self._chunk(index, ev.text, logprobs=logprob) if ev.text or logprob is not None else None
 
-        def whole(self, done, text: str, logprobs: list) -> dict:
-            merged = None
-            if self.want_logprobs:
-                keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-                merged = {k: [x for d in logprobs for x in d[k]] for k in keys}
-            return {**self._chunk(text, done.finish_reason, merged), "usage": _usage(done)}
+        def final(self, index: int, done) -> list[dict]:
+            return [self._chunk(index, done.text, done.finish_reason)]
+
+        def whole(self, dones: dict, texts: dict, logprobs: dict) -> dict:
+            keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+            choices = []
+            for i in sorted(dones):
+                merged = {k: [x for d in logprobs[i] for x in d[k]] for k in keys} if self.want_logprobs else None
+                text = (self.prompts[i][0] if self.echo else "") + texts[i]
+                choices.append(self._chunk(i, text, dones[i].finish_reason, merged)["choices"][0])
+            return {"id": self.rid, "object": "text_completion", "created": self.created, "model": model_id,
+                    "choices": choices, "usage": _usage(dones.values())}  # fmt: skip
 
     class _ChatShape:
         """/v1/chat/completions: chat.completion(.chunk) objects; logprobs as content entries with their bytes."""
@@ -494,7 +511,7 @@ def create_app(
             return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": model_id,
                     "choices": [c]}  # fmt: skip
 
-        def logprob(self, ev) -> dict | None:
+        def logprob(self, index: int, ev) -> dict | None:
             if ev.logprob is None:
                 return None
             text, b = _piece(ev.token_id)
@@ -507,24 +524,26 @@ def create_app(
         def first(self) -> list[dict]:
             return [self._chunk({"role": "assistant", "content": ""})]
 
-        def chunk(self, ev, logprob) -> dict | None:
+        def chunk(self, index: int, ev, logprob) -> dict | None:
             if not ev.text and logprob is None:
                 return None
             return self._chunk({"content": ev.text}, logprobs=None if logprob is None else {"content": [logprob]})
 
-        def final(self, done) -> list[dict]:
+        def final(self, index: int, done) -> list[dict]:
             return ([self._chunk({"content": done.text})] if done.text else []) + [self._chunk({}, done.finish_reason)]
 
-        def whole(self, done, text: str, logprobs: list) -> dict:
+        def whole(self, dones: dict, texts: dict, logprobs: dict) -> dict:
+            done, text = dones[0], texts[0]
             message = {"role": "assistant", "content": text, "refusal": None}
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
             if self.want_logprobs:
-                choice["logprobs"] = {"content": logprobs, "refusal": None}
+                choice["logprobs"] = {"content": logprobs[0], "refusal": None}
             return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": model_id,
-                    "choices": [choice], "usage": _usage(done)}  # fmt: skip
+                    "choices": [choice], "usage": _usage([done])}  # fmt: skip
 
-    async def _answer(request: Request, req, q: asyncio.Queue, shape, stream: bool, include_usage: bool):
-        """Both endpoints' one path: the shape's chunks as server-sent events, or the whole answer at the end."""
+    async def _answer(request: Request, reqs: list, q: asyncio.Queue, shape, stream: bool, include_usage: bool):
+        """Both endpoints' one path: the shape's chunks as server-sent events, or the whole answer once every
+        choice is done. A choice that fails fails the answer (the others are cancelled)."""
         if stream:
 
             def sse(c: dict) -> str:
@@ -535,33 +554,46 @@ def create_app(
             async def gen():
                 for c in shape.first():
                     yield sse(c)
-                async for ev in _events(request, req, q, poll_disconnect=False):
+                dones, last = [], None
+                async for index, ev in _events(request, reqs, q, poll_disconnect=False):
                     if isinstance(ev, DoneEvent):
-                        final = shape.final(ev)
-                        if include_usage:
-                            for c in final:
-                                c["usage"] = None
-                        for line in _sse_end(ev, final, include_usage):
-                            yield line
+                        err = _end_error(ev)
+                        if err is not None:
+                            yield _sse({"error": {"message": err.message, "type": err.type, "param": None,
+                                                  "code": err.code}})  # fmt: skip
+                            break
+                        dones.append(ev)
+                        for c in shape.final(index, ev):
+                            last = c
+                            yield sse(c)
                         continue
-                    c = shape.chunk(ev, shape.logprob(ev))
+                    c = shape.chunk(index, ev, shape.logprob(index, ev))
                     if c is not None:
                         yield sse(c)
+                else:
+                    if include_usage and last is not None:
+                        u = {k: last[k] for k in ("id", "object", "created", "model")}
+                        yield _sse({**u, "choices": [], "usage": _usage(dones)})
+                yield "data: [DONE]\n\n"
 
             return _stream(gen())
-        parts, logprobs = [], []
-        async for ev in _events(request, req, q, poll_disconnect=True):
+        dones, texts, logprobs = {}, {i: [] for i in range(len(reqs))}, {i: [] for i in range(len(reqs))}
+        async for index, ev in _events(request, reqs, q, poll_disconnect=True):
             if isinstance(ev, DoneEvent):
                 err = _end_error(ev)
                 if err is not None:
                     raise err
-                parts.append(ev.text)
-                return JSONResponse(shape.whole(ev, "".join(parts), logprobs))
-            parts.append(ev.text)
-            lp = shape.logprob(ev)
+                texts[index].append(ev.text)
+                dones[index] = ev
+                continue
+            if isinstance(ev, TokenEvent):
+                texts[index].append(ev.text)
+            lp = shape.logprob(index, ev)
             if lp is not None:
-                logprobs.append(lp)
-        return Response(status_code=499)  # the client went away
+                logprobs[index].append(lp)
+        if len(dones) < len(reqs):
+            return Response(status_code=499)  # the client went away
+        return JSONResponse(shape.whole(dones, {i: "".join(t) for i, t in texts.items()}, logprobs))
 
     def _include_usage(body) -> bool:
         return bool(body.stream and body.stream_options and body.stream_options.include_usage)
@@ -571,22 +603,36 @@ def create_app(
     async def completions(request: Request):
         body: CompletionBody = await _read(request, CompletionBody)
         p = body.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]
-        elif isinstance(p, list) and p and not isinstance(p[0], int):
-            raise ApiError(400, "only one prompt per request is supported", param="prompt")
-        if isinstance(p, str):
-            try:
-                ids = await run_in_threadpool(tokenizer.encode, p)
-            except AlchemistError as e:
-                raise ApiError(400, str(e), param="prompt") from None
-        else:
-            ids = _checked_ids(p, "prompt")
-        max_tokens = _check_lengths(len(ids), 16 if body.max_tokens is None else body.max_tokens, True)
-        req, q = _submit(ids, body, max_tokens, body.logprobs)
-        prompt_chars = len(p) if isinstance(p, str) else len(await run_in_threadpool(tokenizer.decode, ids))
-        shape = _CompletionShape(f"cmpl-{req.id}", int(time.time()), body.logprobs, prompt_chars)
-        return await _answer(request, req, q, shape, body.stream, _include_usage(body))
+        batch = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not batch:
+            raise ApiError(400, "the prompt list is empty", param="prompt")
+        if len(batch) > MAX_PROMPTS:
+            raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}", param="prompt")
+        prompts = []  # (text, ids) per choice
+        for one in batch:
+            if isinstance(one, str):
+                try:
+                    ids = await run_in_threadpool(tokenizer.encode, one)
+                except AlchemistError as e:
+                    raise ApiError(400, str(e), param="prompt") from None
+                prompts.append((one, ids))
+            else:
+                ids = _checked_ids(one, "prompt")
+                prompts.append((await run_in_threadpool(tokenizer.decode, ids), ids))
+        requested = 16 if body.max_tokens is None else body.max_tokens
+        lengths = [_check_lengths(len(ids), requested, True) for _, ids in prompts]
+        scored = body.logprobs if body.echo and body.logprobs is not None else None
+        q: asyncio.Queue = asyncio.Queue()
+        reqs = []
+        try:
+            for i, ((_, ids), max_tokens) in enumerate(zip(prompts, lengths)):
+                reqs.append(_submit(ids, body, max_tokens, body.logprobs, q, i, scored))
+        except ApiError:
+            for r in reqs:  # all of a batch or none of it
+                scheduler.cancel(r.id)
+            raise
+        shape = _CompletionShape(f"cmpl-{reqs[0].id}", int(time.time()), body.logprobs, prompts, bool(body.echo))
+        return await _answer(request, reqs, q, shape, body.stream, _include_usage(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -602,9 +648,10 @@ def create_app(
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = _check_lengths(len(ids), requested, requested is not None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        req, q = _submit(ids, body, max_tokens, logprobs)
+        q: asyncio.Queue = asyncio.Queue()
+        req = _submit(ids, body, max_tokens, logprobs, q)
         shape = _ChatShape(f"chatcmpl-{req.id}", int(time.time()), logprobs)
-        return await _answer(request, req, q, shape, body.stream, _include_usage(body))
+        return await _answer(request, [req], q, shape, body.stream, _include_usage(body))
 
     @app.get("/v1/models")
     async def models():

@@ -19,6 +19,15 @@ class TokenEvent:
 
 
 @dataclass
+class PromptEvent:
+    """A scored prompt (a request with prompt_logprobs), once before its first token: per prompt position its
+    token's log-probability given the tokens before it (None for the first) and the k most likely tokens there."""
+
+    request_id: str
+    logprobs: list[tuple[float | None, list[tuple[int, float]]]]
+
+
+@dataclass
 class DoneEvent:
     request_id: str
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
@@ -29,7 +38,7 @@ class DoneEvent:
     matched_stop: str | int | None = None  # "stop": the stop string that matched, or the eos token id
 
 
-Event = TokenEvent | DoneEvent
+Event = TokenEvent | PromptEvent | DoneEvent
 
 
 class QueueFull(AlchemistError):

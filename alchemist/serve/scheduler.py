@@ -7,7 +7,8 @@ interface. `step()` is one synchronous scheduling step, so tests drive it withou
 2. queued requests are admitted into free slots, reusing the longest cached prompt prefix (a free slot's own
    KV, or rows copied from another slot);
 3. the oldest slot still prefilling runs **one** chunk of its prompt; when the prompt is done its first token
-   is sampled;
+   is sampled (a request that scores its prompt, prompt_logprobs, gets every prompt position's logits from the
+   same prefill, and a PromptEvent; with max_tokens 0 it ends there);
 4. every slot that is decoding runs in **one** batched decode step (split by the engine's largest bucket);
 5. each row is sampled with its request's own `Sampler` (a seeded request draws the same tokens whatever else
    runs), its text is streamed through `TextStream`, and it finishes on eos / a stop string / max_tokens / the
@@ -34,7 +35,7 @@ import numpy as np
 
 from alchemist.errors import AlchemistError
 from alchemist.runtime.sampling import Sampler, SamplingParams
-from alchemist.serve.events import DoneEvent, Event, QueueFull, SchedulerClosed, TokenEvent
+from alchemist.serve.events import DoneEvent, Event, PromptEvent, QueueFull, SchedulerClosed, TokenEvent
 from alchemist.serve.text import TextStream
 
 
@@ -49,6 +50,9 @@ class Request:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ignore_eos: bool = False  # generate through eos tokens (fixed-length benchmarks)
+    # None: off; k >= 0: score the prompt (a PromptEvent: each token's logprob and the top-k at its position); the
+    # prompt is then prefilled whole, never taken from a slot's cache, which keeps no logits
+    prompt_logprobs: int | None = None
     t_submit: float | None = None
     t_admit: float | None = None
     t_first: float | None = None
@@ -68,6 +72,7 @@ class Completion:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token: (logprob, top alternatives)
     error: str | None = None
     matched_stop: str | int | None = None
+    prompt_logprobs: list[tuple[float | None, list[tuple[int, float]]]] | None = None  # a scored prompt's, per token
 
 
 class Histogram:
@@ -124,6 +129,7 @@ class _Slot:
         self.kv_ids: list[int] = []  # the ids whose KV this slot holds at positions 0.. (kept for reuse)
         self.prompt_done = 0
         self.out_ids: list[int] = []
+        self.prompt_logprobs: list = []  # a scoring request's, (logprob, top) per prompt position so far
         self.sampler: Sampler | None = None
         self.text: TextStream | None = None
         self.cached_tokens = 0
@@ -184,8 +190,9 @@ class Scheduler:
             raise AlchemistError(f"prompt token ids out of range [0, {self.n_vocab}): {bad[:5]}")
         if req.max_tokens is not None and req.max_tokens < 0:
             raise AlchemistError(f"max_tokens must be >= 0, got {req.max_tokens}")
-        if req.logprobs is not None and req.logprobs < 0:
-            raise AlchemistError(f"logprobs must be >= 0, got {req.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(req, name) is not None and getattr(req, name) < 0:
+                raise AlchemistError(f"{name} must be >= 0, got {getattr(req, name)}")
         need = len(prompt) + (req.max_tokens or 0)
         if need > self.max_context or len(prompt) >= self.max_context:
             raise AlchemistError(
@@ -264,6 +271,8 @@ class Scheduler:
         n = len(req.prompt)
 
         def reuse(s: _Slot) -> int:
+            if req.prompt_logprobs is not None:  # every position's logits are wanted: nothing comes from a cache
+                return 0
             return self.engine.reusable_prefix(len(s.kv_ids), _common_prefix(s.kv_ids, req.prompt), n, s.index)
 
         own = {s.index: reuse(s) for s in free}
@@ -284,12 +293,13 @@ class Scheduler:
         del slot.kv_ids[k:]  # rows from k on will be overwritten
         req.t_admit = time.perf_counter()
         slot.request, slot.prompt_done, slot.out_ids, slot.cached_tokens = req, k, [], k
+        slot.prompt_logprobs = [(None, [])]  # the first token has nothing before it
         slot.sampler = Sampler(req.params)
         slot.text = TextStream(self.tokenizer, req.stop, ()) if self.tokenizer is not None else None
         slot.order = next(self._admitted)
         self.stats.prompt_tokens_total += n
         self.stats.cached_tokens_total += k
-        if req.max_tokens == 0:
+        if req.max_tokens == 0 and req.prompt_logprobs is None:
             self._finish(slot, "length")
 
     def _prefill_one_chunk(self) -> bool:
@@ -297,10 +307,11 @@ class Scheduler:
         if not pending:
             return False
         slot = min(pending, key=lambda s: s.order)
-        prompt = slot.request.prompt
+        req = slot.request
+        prompt, scoring = req.prompt, req.prompt_logprobs is not None
         a, b = self.engine.chunk_plan(len(prompt), slot.prompt_done)[0]
         try:
-            logits = self.engine.prefill(slot.index, prompt[a:b], a)
+            logits = self.engine.prefill(slot.index, prompt[a:b], a, **({"all_rows": True} if scoring else {}))
         except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
             slot.kv_ids = []
             self._finish(slot, "error", error=f"prefill failed: {e}")
@@ -311,9 +322,31 @@ class Scheduler:
         slot.kv_ids.extend(prompt[a:b])
         slot.prompt_done = b
         self.stats.prefill_tokens_total += b - a
+        if scoring:
+            logits = np.asarray(logits).reshape(b - a, -1)
+            if not self._score(slot, logits, a, b):
+                return True
+            logits = logits[-1]
         if b == len(prompt):
-            self._accept(slot, np.asarray(logits).reshape(-1))
+            if req.max_tokens == 0:  # scored, nothing to generate
+                self._finish(slot, "length")
+            else:
+                self._accept(slot, np.asarray(logits).reshape(-1))
         return True
+
+    def _score(self, slot: _Slot, logits: np.ndarray, a: int, b: int) -> bool:
+        """Add the log-probabilities of the prompt tokens after positions a..b-1 (logits: one row per position) and,
+        at the prompt's end, emit its PromptEvent. False when this failed and ended the request."""
+        req = slot.request
+        try:
+            for p, row in zip(range(a, min(b, len(req.prompt) - 1)), logits):
+                slot.prompt_logprobs.append(_logprobs(row, req.prompt[p + 1], req.prompt_logprobs))
+            if b == len(req.prompt):
+                self._emit(req, PromptEvent(req.id, slot.prompt_logprobs))
+            return True
+        except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
+            self._finish(slot, "error", error=f"scoring the prompt failed: {type(e).__name__}: {e}")
+            return False
 
     def _decode(self) -> bool:
         rows = [s for s in self._slots if s.request is not None and not s.prefilling and s.out_ids]
@@ -385,7 +418,7 @@ class Scheduler:
         if slot.text is not None and reason != "stop":
             tail += slot.text.flush()
         self._finish_request(req, reason, tail, len(slot.out_ids), slot.cached_tokens, error, matched)
-        slot.request, slot.sampler, slot.text = None, None, None
+        slot.request, slot.sampler, slot.text, slot.prompt_logprobs = None, None, None, []
 
     def _finish_request(
         self,
@@ -572,10 +605,12 @@ class Scheduler:
     def generate(self, req: Request, timeout: float | None = None) -> Completion:
         """Submit req, wait for it to finish and return the Completion (thread-safe). On timeout the request is
         cancelled and the Completion says "cancelled"."""
-        parts, ids, lps = [], [], []
+        parts, ids, lps, scored = [], [], [], None
         done: DoneEvent | None = None
         for ev in self.stream(req, timeout):
-            if isinstance(ev, TokenEvent):
+            if isinstance(ev, PromptEvent):
+                scored = ev.logprobs
+            elif isinstance(ev, TokenEvent):
                 parts.append(ev.text)
                 ids.append(ev.token_id)
                 if req.logprobs is not None:
@@ -593,6 +628,7 @@ class Scheduler:
             lps if req.logprobs is not None else None,
             done.error,
             done.matched_stop,
+            scored,
         )
 
 
@@ -615,6 +651,7 @@ __all__ = [
     "DoneEvent",
     "Event",
     "Histogram",
+    "PromptEvent",
     "QueueFull",
     "Request",
     "Scheduler",
