@@ -251,6 +251,30 @@ def test_a_scored_prompt_gets_every_positions_log_softmax_from_its_prefill(tok):
         s.submit(Request(p, prompt_logprobs=-1))
 
 
+def test_requests_sharing_a_prompt_prefill_it_once(tok):
+    """Three requests of one 14-token prompt submitted together (n = 3 choices): the first prefills it, the others
+    wait for its rows and prefill only what the chunk-aligned copy leaves (2 tokens each); each draws what it
+    draws alone. A scored prompt does not wait (it reuses nothing)."""
+    p = prompts(1, seed=22, lo=14, hi=15)[0]
+    params = [SamplingParams(temperature=0.8, seed=s) for s in (1, 2, 3)]
+    alone = [solo(tok, p, 6, sp).token_ids for sp in params]
+    engine = toy(n_slots=4, chunk=4)
+    s = Scheduler(engine, tok)
+    events: dict = {}
+    for i, sp in enumerate(params):
+        s.submit(Request(p, sp, 6, sink=collect(events)(i)))
+    run_until_idle(s)
+    assert [ids_of(events[i]) for i in range(3)] == alone
+    assert [events[i][-1].usage["cached_tokens"] for i in range(3)] == [0, 12, 12]
+    assert engine.stats.prefill_tokens == 14 + 2 + 2
+    scored: dict = {}
+    s.submit(Request(p, max_tokens=5, sink=collect(scored)("a")))
+    s.submit(Request(p, max_tokens=0, prompt_logprobs=0, sink=collect(scored)("b")))
+    s.step()
+    assert sum(slot.request is not None for slot in s._slots) == 2  # both admitted at once
+    run_until_idle(s)
+
+
 def test_threaded_generate_from_many_threads(tok):
     ps = prompts(6, seed=10)
     want = [solo(tok, p, 9).token_ids for p in ps]

@@ -184,7 +184,8 @@ BAD = [
     ("unknown field", CHAT, {**GOOD, "frobnicate": 1}, 400, None, "frobnicate"),
     ("missing messages", CHAT, {"model": MODEL}, 400, None, "messages"),
     ("bad role", CHAT, {**GOOD, "messages": [{"role": "wizard", "content": "x"}]}, 400, None, "messages"),
-    ("n=2", CHAT, {**GOOD, "n": 2}, 400, None, "n"),
+    ("n over 8", CHAT, {**GOOD, "n": 9}, 400, None, "n"),
+    ("n times prompts over 32", COMP, {"prompt": ["a"] * 5, "n": 8}, 400, None, "n"),
     ("penalty", CHAT, {**GOOD, "presence_penalty": 0.5}, 400, None, "presence_penalty"),
     ("temperature < 0", CHAT, {**GOOD, "temperature": -1}, 400, None, "temperature"),
     ("max_tokens 0", CHAT, {**GOOD, "max_tokens": 0}, 400, None, "max_tokens"),
@@ -462,6 +463,34 @@ def test_a_list_of_prompts_answers_a_choice_each_in_order(scoring_server, tokeni
             finished.add(choice["index"])
     assert finished == {0, 1, 2} and [streamed[i] for i in range(3)] == alone
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 18
+
+
+def test_n_choices_are_sampled_apart_and_share_the_prefill(scoring_server):
+    """n = 3: choice j is what seed + j draws alone, its index j; the prompt is prefilled once (the other two copy
+    its rows: cached tokens); streamed, each choice opens with its role and ends with its finish_reason."""
+    sched, url = scoring_server
+    messages = [{"role": "user", "content": "tell me three different things about the sea, please"}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0.9, "seed": 5}
+    alone = [httpx.post(url + CHAT, json={**body, "seed": 5 + j}).json()["choices"][0]["message"]["content"]
+             for j in range(3)]  # fmt: skip
+    assert len(set(alone)) > 1
+    r = httpx.post(url + CHAT, json={**body, "n": 3}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in r["choices"]] == alone
+    n_prompt = r["usage"]["prompt_tokens"] // 3
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * (n_prompt - 4)
+    chunks = sse_chunks(httpx.post(url + CHAT, json={**body, "n": 3, "stream": True}).text)
+    texts, ends = {j: "" for j in range(3)}, {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        texts[choice["index"]] += choice["delta"].get("content") or ""
+        if choice["finish_reason"]:
+            ends[choice["index"]] = choice["finish_reason"]
+    assert [c["choices"][0]["delta"].get("role") for c in chunks[:3]] == ["assistant"] * 3
+    assert [texts[j] for j in range(3)] == alone and set(ends) == {0, 1, 2}
+    comp = httpx.post(url + COMP, json={"prompt": ["one", "two"], "n": 2, "max_tokens": 3, "temperature": 0}).json()
+    assert [c["index"] for c in comp["choices"]] == [0, 1, 2, 3]
+    assert comp["choices"][0]["text"] == comp["choices"][1]["text"] and comp["choices"][2]["text"] == comp["choices"][3]["text"]
 
 
 # ---------------------------------------------------------------------------------------------- `alchemist serve`

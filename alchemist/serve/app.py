@@ -32,7 +32,8 @@ from alchemist.serve.guard import openai_error as _error_response
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOP = 16
-MAX_PROMPTS = 32  # prompts in one /v1/completions request (each its own choice)
+MAX_PROMPTS = 32  # choices in one request: prompts (/v1/completions) times n
+MAX_N = 8  # choices per prompt
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_WINDOW_S = 10.0
 DISCONNECT_POLL_S = 0.25  # how often a whole (non-streamed) answer asks whether its client is still there
@@ -53,7 +54,7 @@ class _Common(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)  # choices per prompt, sampled apart (seed + j for choice j)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -128,8 +129,6 @@ class ApiError(Exception):
 
 def _unsupported(body: _Common) -> None:
     """Fields the openai client may send that we accept only at their neutral values."""
-    if body.n not in (None, 1):
-        raise ApiError(400, "only n=1 is supported", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0, 0.0):
             raise ApiError(400, f"{name} is not supported (only 0)", param=name)
@@ -152,8 +151,9 @@ def _stop_list(stop) -> list[str]:
     return stops
 
 
-def _sampling(body: _Common) -> SamplingParams:
-    seed = None if body.seed is None else body.seed & 0xFFFFFFFFFFFFFFFF  # numpy wants a non-negative seed
+def _sampling(body: _Common, choice: int = 0) -> SamplingParams:
+    """The sampling parameters of a prompt's `choice`-th answer (n > 1: seed + choice, so they differ)."""
+    seed = None if body.seed is None else (body.seed + choice) & 0xFFFFFFFFFFFFFFFF  # numpy wants a non-negative seed
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -345,7 +345,7 @@ def create_app(
         return min(max_tokens, ctx - n_prompt)
 
     def _submit(prompt: list[int], body: _Common, max_tokens: int, logprobs: int | None, q: asyncio.Queue,
-                index: int = 0, prompt_logprobs: int | None = None):  # fmt: skip
+                index: int = 0, prompt_logprobs: int | None = None, choice: int = 0):  # fmt: skip
         """Queue one choice's request; its events arrive in q as (index, event)."""
         loop = asyncio.get_running_loop()
 
@@ -363,7 +363,7 @@ def create_app(
             extra["prompt_logprobs"] = prompt_logprobs
         try:
             req = request_cls(
-                prompt=prompt, params=_sampling(body), max_tokens=max_tokens, stop=_stop_list(body.stop),
+                prompt=prompt, params=_sampling(body, choice), max_tokens=max_tokens, stop=_stop_list(body.stop),
                 logprobs=logprobs, sink=sink, **extra,
             )  # fmt: skip
         except TypeError:
@@ -381,6 +381,24 @@ def create_app(
             code = "context_length_exceeded" if "context" in str(e) else None
             raise ApiError(400, str(e), param="max_tokens" if code else None, code=code) from None
         return req
+
+    def _submit_all(prompts: list, body: _Common, lengths: list, logprobs, prompt_logprobs=None):
+        """Queue n choices of each prompt (choice j of prompt i has index i * n + j); all of them or none."""
+        n = body.n or 1
+        if len(prompts) * n > MAX_PROMPTS:
+            raise ApiError(400, f"at most {MAX_PROMPTS} choices per request (prompts times n), got {len(prompts) * n}",
+                           param="n" if n > 1 else "prompt")  # fmt: skip
+        q: asyncio.Queue = asyncio.Queue()
+        reqs = []
+        try:
+            for i, (ids, max_tokens) in enumerate(zip(prompts, lengths)):
+                for j in range(n):
+                    reqs.append(_submit(ids, body, max_tokens, logprobs, q, len(reqs), prompt_logprobs, j))
+        except ApiError:
+            for r in reqs:
+                scheduler.cancel(r.id)
+            raise
+        return reqs, q
 
     def _piece(tid: int) -> tuple[str, list[int]]:
         b = tokenizer.token_to_piece(int(tid))
@@ -482,10 +500,10 @@ def create_app(
                 else []
             )
 
-        def chunk(self, index: int, ev, logprob) -> dict | None:
+        def chunk(self, index: int, ev, logprob) -> list[dict]:
             if isinstance(ev, PromptEvent):
-                return self._chunk(index, self.prompts[index][0], logprobs=logprob)
-            return self._chunk(index, ev.text, logprobs=logprob) if ev.text or logprob is not None else None
+                return [self._chunk(index, self.prompts[index][0], logprobs=logprob)]
+            return [self._chunk(index, ev.text, logprobs=logprob)] if ev.text or logprob is not None else []
 
         def final(self, index: int, done) -> list[dict]:
             return [self._chunk(index, done.text, done.finish_reason)]
@@ -501,13 +519,14 @@ def create_app(
                     "choices": choices, "usage": _usage(dones.values())}  # fmt: skip
 
     class _ChatShape:
-        """/v1/chat/completions: chat.completion(.chunk) objects; logprobs as content entries with their bytes."""
+        """/v1/chat/completions: chat.completion(.chunk) objects, a choice per n; logprobs as content entries with
+        their bytes."""
 
-        def __init__(self, rid: str, created: int, logprobs: int | None):
-            self.rid, self.created, self.want_logprobs = rid, created, logprobs is not None
+        def __init__(self, rid: str, created: int, logprobs: int | None, n: int):
+            self.rid, self.created, self.want_logprobs, self.n = rid, created, logprobs is not None, n
 
-        def _chunk(self, delta: dict, finish=None, logprobs=None) -> dict:
-            c = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        def _chunk(self, index: int, delta: dict, finish=None, logprobs=None) -> dict:
+            c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": model_id,
                     "choices": [c]}  # fmt: skip
 
@@ -522,24 +541,28 @@ def create_app(
             return {"token": text, "logprob": float(ev.logprob), "bytes": b, "top_logprobs": top}
 
         def first(self) -> list[dict]:
-            return [self._chunk({"role": "assistant", "content": ""})]
+            return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.n)]
 
-        def chunk(self, index: int, ev, logprob) -> dict | None:
+        def chunk(self, index: int, ev, logprob) -> list[dict]:
             if not ev.text and logprob is None:
-                return None
-            return self._chunk({"content": ev.text}, logprobs=None if logprob is None else {"content": [logprob]})
+                return []
+            lps = None if logprob is None else {"content": [logprob]}
+            return [self._chunk(index, {"content": ev.text}, logprobs=lps)]
 
         def final(self, index: int, done) -> list[dict]:
-            return ([self._chunk({"content": done.text})] if done.text else []) + [self._chunk({}, done.finish_reason)]
+            text = [self._chunk(index, {"content": done.text})] if done.text else []
+            return text + [self._chunk(index, {}, done.finish_reason)]
 
         def whole(self, dones: dict, texts: dict, logprobs: dict) -> dict:
-            done, text = dones[0], texts[0]
-            message = {"role": "assistant", "content": text, "refusal": None}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
-            if self.want_logprobs:
-                choice["logprobs"] = {"content": logprobs[0], "refusal": None}
+            choices = []
+            for i in sorted(dones):
+                message = {"role": "assistant", "content": texts[i], "refusal": None}
+                choice = {"index": i, "message": message, "logprobs": None, "finish_reason": dones[i].finish_reason}
+                if self.want_logprobs:
+                    choice["logprobs"] = {"content": logprobs[i], "refusal": None}
+                choices.append(choice)
             return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": model_id,
-                    "choices": [choice], "usage": _usage([done])}  # fmt: skip
+                    "choices": choices, "usage": _usage(dones.values())}  # fmt: skip
 
     async def _answer(request: Request, reqs: list, q: asyncio.Queue, shape, stream: bool, include_usage: bool):
         """Both endpoints' one path: the shape's chunks as server-sent events, or the whole answer once every
@@ -567,8 +590,7 @@ def create_app(
                             last = c
                             yield sse(c)
                         continue
-                    c = shape.chunk(index, ev, shape.logprob(index, ev))
-                    if c is not None:
+                    for c in shape.chunk(index, ev, shape.logprob(index, ev)):
                         yield sse(c)
                 else:
                     if include_usage and last is not None:
@@ -622,16 +644,9 @@ def create_app(
         requested = 16 if body.max_tokens is None else body.max_tokens
         lengths = [_check_lengths(len(ids), requested, True) for _, ids in prompts]
         scored = body.logprobs if body.echo and body.logprobs is not None else None
-        q: asyncio.Queue = asyncio.Queue()
-        reqs = []
-        try:
-            for i, ((_, ids), max_tokens) in enumerate(zip(prompts, lengths)):
-                reqs.append(_submit(ids, body, max_tokens, body.logprobs, q, i, scored))
-        except ApiError:
-            for r in reqs:  # all of a batch or none of it
-                scheduler.cancel(r.id)
-            raise
-        shape = _CompletionShape(f"cmpl-{reqs[0].id}", int(time.time()), body.logprobs, prompts, bool(body.echo))
+        reqs, q = _submit_all([ids for _, ids in prompts], body, lengths, body.logprobs, scored)
+        per_choice = [one for one in prompts for _ in range(body.n or 1)]
+        shape = _CompletionShape(f"cmpl-{reqs[0].id}", int(time.time()), body.logprobs, per_choice, bool(body.echo))
         return await _answer(request, reqs, q, shape, body.stream, _include_usage(body))
 
     @app.post("/v1/chat/completions")
@@ -648,10 +663,9 @@ def create_app(
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = _check_lengths(len(ids), requested, requested is not None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        q: asyncio.Queue = asyncio.Queue()
-        req = _submit(ids, body, max_tokens, logprobs, q)
-        shape = _ChatShape(f"chatcmpl-{req.id}", int(time.time()), logprobs)
-        return await _answer(request, [req], q, shape, body.stream, _include_usage(body))
+        reqs, q = _submit_all([ids], body, [max_tokens], logprobs)
+        shape = _ChatShape(f"chatcmpl-{reqs[0].id}", int(time.time()), logprobs, body.n or 1)
+        return await _answer(request, reqs, q, shape, body.stream, _include_usage(body))
 
     @app.get("/v1/models")
     async def models():

@@ -5,7 +5,8 @@ interface. `step()` is one synchronous scheduling step, so tests drive it withou
 
 1. requests cancelled since the last step free their slots (queued ones are dropped);
 2. queued requests are admitted into free slots, reusing the longest cached prompt prefix (a free slot's own
-   KV, or rows copied from another slot);
+   KV, or rows copied from another slot); one that shares a chunk or more with a prompt still being prefilled
+   waits for those rows (n choices of one prompt prefill it once);
 3. the oldest slot still prefilling runs **one** chunk of its prompt; when the prompt is done its first token
    is sampled (a request that scores its prompt, prompt_logprobs, gets every prompt position's logits from the
    same prefill, and a PromptEvent; with max_tokens 0 it ends there);
@@ -259,11 +260,22 @@ class Scheduler:
             if not free:
                 return worked
             with self._lock:
-                if not self._queue:
+                req = next((r for r in self._queue if not self._sibling_prefilling(r)), None)
+                if req is None:
                     return worked
-                req = self._queue.popleft()
+                self._queue.remove(req)
             self._start(req, free)
             worked = True
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """Whether a running prompt still being prefilled shares a whole chunk or more with req's (n > 1 choices of
+        one prompt, a batch over one context): req then waits, and copies those rows once they are written instead
+        of prefilling them again (prefill runs one prompt at a time, so it would have waited anyway). A scored
+        prompt never reuses rows, and never waits."""
+        if req.prompt_logprobs is not None:
+            return False
+        chunk = getattr(self.engine, "chunk", 1)
+        return any(s.prefilling and _common_prefix(s.request.prompt, req.prompt) >= chunk for s in self._slots)
 
     def _start(self, req: Request, free: list[_Slot]) -> None:
         """Put req into the free slot that can reuse the most of its prompt (copying rows from a busier slot's
