@@ -65,6 +65,8 @@ SLOT_CASES = [
     ("deepseek2", "F32", "c"),
     # caches of two row shapes (sliding and global heads), two of them shared by later layers; per-layer inputs
     ("gemma4", "F32", "c"),
+    # experts beside the dense MLP, each branch with its own norms; a router reading its own scaled input
+    ("gemma4:moe", "F32", "c"),
 ]
 
 
