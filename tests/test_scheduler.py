@@ -266,12 +266,15 @@ def test_requests_sharing_a_prompt_prefill_it_once(tok):
     run_until_idle(s)
     assert [ids_of(events[i]) for i in range(3)] == alone
     assert [events[i][-1].usage["cached_tokens"] for i in range(3)] == [0, 12, 12]
+    assert s.stats.kv_cache_usage == 0  # nothing runs
     assert engine.stats.prefill_tokens == 14 + 2 + 2
     scored: dict = {}
     s.submit(Request(p, max_tokens=5, sink=collect(scored)("a")))
     s.submit(Request(p, max_tokens=0, prompt_logprobs=0, sink=collect(scored)("b")))
     s.step()
     assert sum(slot.request is not None for slot in s._slots) == 2  # both admitted at once
+    held = sum(len(slot.kv_ids) for slot in s._slots if slot.request is not None)
+    assert held > 0 and s.stats.kv_cache_usage == held / (4 * 64)  # /metrics' alchemist_kv_cache_usage_ratio
     run_until_idle(s)
 
 

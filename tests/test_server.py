@@ -304,7 +304,7 @@ def test_health_and_metrics(server):
     values = metrics(url)
     assert values["alchemist_generated_tokens_total"] == sched.stats.generated_tokens_total > 0
     assert values["alchemist_queue_depth"] == 0 and values["alchemist_slots"] == 4
-    assert values["alchemist_tokens_per_second"] > 0
+    assert values["alchemist_tokens_per_second"] > 0 and values["alchemist_kv_cache_usage_ratio"] == 0
     n = values["alchemist_time_to_first_token_seconds_count"]  # from a histogram object (the scheduler's kind)
     assert n == sched.stats.ttft_seconds.count > 0
     assert values['alchemist_time_to_first_token_seconds_bucket{le="+Inf"}'] == n

@@ -19,7 +19,7 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -208,28 +208,59 @@ class _TokenRate:
         return len(recent) / RATE_WINDOW_S
 
 
-def _histogram(name: str, help_: str, values, buckets) -> list[str]:
-    """A histogram from the scheduler's stats: an object with `cumulative()`, `sum` and `count` (Prometheus-style,
-    its own buckets), or a plain sequence of seconds (bucketed here)."""
-    lines = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+def _buckets(values, buckets) -> tuple[list[tuple[str, float]], float]:
+    """A latency histogram's cumulative buckets and sum, from the scheduler's stats: an object with `cumulative()`
+    and `sum` (its own buckets), or a plain sequence of seconds (bucketed here)."""
     if hasattr(values, "cumulative"):
         cum = [(float(b), int(n)) for b, n in values.cumulative()]
-        total, count = float(values.sum), int(values.count)
+        total = float(values.sum)
     else:
         xs = sorted(float(v) for v in (values or []))
         cum = [(float(b), bisect.bisect_right(xs, b)) for b in buckets] + [(float("inf"), len(xs))]
-        total, count = sum(xs), len(xs)
-    for b, n in cum:
-        lines.append(f'{name}_bucket{{le="{"+Inf" if b == float("inf") else f"{b:g}"}"}} {n}')
-    lines.append(f"{name}_sum {total:.6f}")
-    lines.append(f"{name}_count {count}")
-    return lines
+        total = sum(xs)
+    return [("+Inf" if b == float("inf") else f"{b:g}", n) for b, n in cum], total
 
 
-def _metric(name: str, kind: str, help_: str, value) -> list[str]:
-    v = float(value or 0)
-    text = str(int(v)) if v.is_integer() else f"{v:.6g}"
-    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {text}"]
+class _SchedulerMetrics:
+    """A prometheus-client collector that reads the scheduler's stats at each scrape (nothing is updated twice)."""
+
+    def __init__(self, scheduler, rate: _TokenRate):
+        self.scheduler, self.rate = scheduler, rate
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        st = self.scheduler.stats
+        gauges = (
+            ("alchemist_queue_depth", "Requests waiting for a slot.", st.queue_depth),
+            ("alchemist_active_slots", "Slots holding a running request.", st.active_slots),
+            ("alchemist_slots", "Slots (concurrent sequences).", getattr(st, "n_slots", 0)),
+            ("alchemist_kv_cache_usage_ratio", "Share of the slots' cache positions that running requests hold.",
+             getattr(st, "kv_cache_usage", 0.0)),
+            ("alchemist_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.",
+             self.rate.rate()),
+        )  # fmt: skip
+        for name, help_, value in gauges:
+            yield GaugeMetricFamily(name, help_, value=float(value or 0))
+        counters = (
+            ("alchemist_requests", "Requests admitted to the queue.", getattr(st, "requests_total", 0)),
+            ("alchemist_generated_tokens", "Tokens generated.", st.generated_tokens_total),
+            ("alchemist_prompt_tokens", "Prompt tokens submitted.", getattr(st, "prompt_tokens_total", 0)),
+            ("alchemist_cached_tokens", "Prompt tokens reused from a slot's cache.", getattr(st, "cached_tokens_total", 0)),
+        )  # fmt: skip
+        for name, help_, value in counters:
+            yield CounterMetricFamily(name, help_, value=float(value or 0))
+        started = getattr(st, "started_at", None)
+        if started:
+            # started_at may be a perf_counter or a wall-clock stamp: only report a sensible uptime
+            up = max(0.0, (time.time() if started > 1e9 else time.perf_counter()) - started)
+            yield GaugeMetricFamily("alchemist_uptime_seconds", "Seconds since the scheduler started.", value=up)
+        for name, help_, values in (
+            ("alchemist_time_to_first_token_seconds", "Time from submit to the first token.", "ttft_seconds"),
+            ("alchemist_inter_token_latency_seconds", "Time between a stream's tokens.", "itl_seconds"),
+        ):
+            buckets, total = _buckets(getattr(st, values, None), LATENCY_BUCKETS)
+            yield HistogramMetricFamily(name, help_, buckets=buckets, sum_value=total)
 
 
 # ---------------------------------------------------------------------------------------------- the app
@@ -733,33 +764,15 @@ def create_app(
             status = "ok"
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+    registry = CollectorRegistry(auto_describe=False)  # this app's own: nothing in the process-wide registry
+    registry.register(_SchedulerMetrics(scheduler, rate))
+
     @app.get("/metrics")
     async def metrics():
-        st = scheduler.stats
-        started = getattr(st, "started_at", None)
-        lines = []
-        lines += _metric("alchemist_queue_depth", "gauge", "Requests waiting for a slot.", st.queue_depth)
-        lines += _metric("alchemist_active_slots", "gauge", "Slots holding a running request.", st.active_slots)
-        lines += _metric("alchemist_slots", "gauge", "Slots (concurrent sequences).", getattr(st, "n_slots", 0))
-        lines += _metric("alchemist_requests_total", "counter", "Requests admitted to the queue.",
-                         getattr(st, "requests_total", 0))  # fmt: skip
-        lines += _metric("alchemist_generated_tokens_total", "counter", "Tokens generated.",
-                         st.generated_tokens_total)  # fmt: skip
-        lines += _metric("alchemist_prompt_tokens_total", "counter", "Prompt tokens submitted.",
-                         getattr(st, "prompt_tokens_total", 0))  # fmt: skip
-        lines += _metric("alchemist_cached_tokens_total", "counter", "Prompt tokens reused from a slot's cache.",
-                         getattr(st, "cached_tokens_total", 0))  # fmt: skip
-        lines += _metric("alchemist_tokens_per_second", "gauge",
-                         f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.", rate.rate())  # fmt: skip
-        if started:
-            # started_at may be a perf_counter or a wall-clock stamp: only report a sensible uptime
-            up = max(0.0, (time.time() if started > 1e9 else time.perf_counter()) - started)
-            lines += _metric("alchemist_uptime_seconds", "gauge", "Seconds since the scheduler started.", up)
-        lines += _histogram("alchemist_time_to_first_token_seconds", "Time from submit to the first token.",
-                            getattr(st, "ttft_seconds", None), LATENCY_BUCKETS)  # fmt: skip
-        lines += _histogram("alchemist_inter_token_latency_seconds", "Time between a stream's tokens.",
-                            getattr(st, "itl_seconds", None), LATENCY_BUCKETS)  # fmt: skip
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -121,6 +121,7 @@ class SchedulerStats:
     started_at: float = field(default_factory=time.time)
     running: bool = False
     warming: bool = False
+    kv_cache_usage: float = 0.0  # share of the slots' positions (n_slots x context) that running requests hold
 
 
 class _Slot:
@@ -233,6 +234,8 @@ class Scheduler:
             worked |= self._prefill_one_chunk()
             worked |= self._decode()
             self.stats.active_slots = sum(s.request is not None for s in self._slots)
+            held = sum(len(s.kv_ids) for s in self._slots if s.request is not None)
+            self.stats.kv_cache_usage = held / (len(self._slots) * self.max_context)
             self.stats.queue_depth = len(self._queue)
             if worked:
                 self.stats.steps += 1
