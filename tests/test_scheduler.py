@@ -278,6 +278,37 @@ def test_requests_sharing_a_prompt_prefill_it_once(tok):
     run_until_idle(s)
 
 
+def test_a_constraint_masks_the_sampler_and_its_failure_ends_only_its_request(tok):
+    """Request.constraint: the sampler draws from the masked logits (a constraint that allows one token gets it,
+    logprobs still report the model's distribution); a constraint that raises ends its request alone."""
+    p, q = prompts(2, seed=23)
+
+    class Only:
+        def __init__(self, token, fail_after=None):
+            self.token, self.fail_after, self.seen = token, fail_after, []
+
+        def allowed(self, logits):
+            out = np.full_like(logits, -np.inf)
+            out[self.token] = 0.0
+            return out
+
+        def consume(self, token):
+            self.seen.append(token)
+            if self.fail_after is not None and len(self.seen) > self.fail_after:
+                raise ValueError("the grammar broke")
+
+    s = Scheduler(toy(n_slots=2), tok)
+    forced = s.generate(Request(p, SamplingParams(temperature=1.0, seed=4), 5, logprobs=0, constraint=Only(77)))
+    assert forced.token_ids == [77] * 5 and forced.finish_reason == "length"
+    assert all(lp < 0 for lp, _ in forced.logprobs)  # the model's own distribution, not the mask's
+    events: dict = {}
+    s.submit(Request(p, max_tokens=8, constraint=Only(78, fail_after=2), sink=collect(events)("bad")))
+    s.submit(Request(q, max_tokens=8, sink=collect(events)("good")))
+    run_until_idle(s)
+    assert events["bad"][-1].finish_reason == "error" and "the grammar broke" in events["bad"][-1].error
+    assert ids_of(events["good"]) == solo(tok, q, 8).token_ids
+
+
 def test_threaded_generate_from_many_threads(tok):
     ps = prompts(6, seed=10)
     want = [solo(tok, p, 9).token_ids for p in ps]

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from alchemist.errors import AlchemistError
 from alchemist.runtime.sampling import SamplingParams
+from alchemist.serve.constraints import ConstraintError, Constraints
 from alchemist.serve.events import DoneEvent, PromptEvent, QueueFull, SchedulerClosed, TokenEvent
 from alchemist.serve.guard import RequestGuard
 from alchemist.serve.guard import openai_error as _error_response
@@ -49,6 +50,21 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # newer openai clients may send it; there is nothing to obfuscate
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict | None = Field(None, alias="schema")  # the older {"type": "json_object", "schema": {...}}
+
+
 class _Common(_Strict):
     model: str | None = None  # optional: one model is served (as llama.cpp's and llama-cpp-python's servers)
     max_tokens: int | None = Field(None, ge=1)
@@ -66,6 +82,14 @@ class _Common(_Strict):
     top_k: int | None = Field(None, ge=0)  # extensions (llama.cpp, vLLM)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool | None = False
+    # structured output: OpenAI's response_format; llama.cpp's grammar (GBNF) and json_schema; vLLM's guided_*
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None
+    json_schema: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
 
 class CompletionBody(_Common):
@@ -141,6 +165,32 @@ def _unsupported(body: _Common) -> None:
             raise ApiError(400, "suffix is not supported", param="suffix")
     if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+
+def _constraint_spec(body: _Common) -> tuple[str, object, str] | None:
+    """The request's structured-output constraint as (kind, value, the field that asked), or None; one at most."""
+    asked = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("json_schema", rf.schema_, "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ApiError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        asked.append(("json_schema", rf.json_schema.schema_, "response_format"))
+    for field, kind in (("grammar", "grammar"), ("json_schema", "json_schema"), ("guided_json", "json_schema"),
+                        ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+        value = getattr(body, field)
+        if value is not None:
+            if field == "guided_json" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except (json.JSONDecodeError, RecursionError):
+                    raise ApiError(400, "guided_json is not a JSON schema", param=field) from None
+            asked.append((kind, value, field))
+    if len(asked) > 1:
+        raise ApiError(400, f"one structured-output constraint per request, got {', '.join(a[2] for a in asked)}",
+                       param=asked[1][2])  # fmt: skip
+    return asked[0] if asked else None
 
 
 def _stop_list(stop) -> list[str]:
@@ -290,6 +340,7 @@ def create_app(
 
     rate = _TokenRate()
     created = int(time.time())
+    constraints = Constraints(tokenizer)  # reads the vocabulary on the first constrained request
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -301,6 +352,7 @@ def create_app(
             app.state.draining = True
             if manage_scheduler:
                 await run_in_threadpool(scheduler.stop, drain_s)
+            constraints.close()
 
     app = FastAPI(title="alchemist", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
@@ -376,7 +428,7 @@ def create_app(
         return min(max_tokens, ctx - n_prompt)
 
     def _submit(prompt: list[int], body: _Common, max_tokens: int, logprobs: int | None, q: asyncio.Queue,
-                index: int = 0, prompt_logprobs: int | None = None, choice: int = 0):  # fmt: skip
+                index: int = 0, prompt_logprobs: int | None = None, choice: int = 0, constraint=None):  # fmt: skip
         """Queue one choice's request; its events arrive in q as (index, event)."""
         loop = asyncio.get_running_loop()
 
@@ -392,15 +444,18 @@ def create_app(
         extra = {"ignore_eos": True} if body.ignore_eos else {}
         if prompt_logprobs is not None:
             extra["prompt_logprobs"] = prompt_logprobs
+        if constraint is not None:
+            extra["constraint"] = constraint
         try:
             req = request_cls(
                 prompt=prompt, params=_sampling(body, choice), max_tokens=max_tokens, stop=_stop_list(body.stop),
                 logprobs=logprobs, sink=sink, **extra,
             )  # fmt: skip
         except TypeError:
-            asked = "echo with logprobs" if prompt_logprobs is not None else "ignore_eos"
-            raise ApiError(400, f"{asked} is not supported by this server's scheduler",
-                           param="echo" if prompt_logprobs is not None else "ignore_eos") from None  # fmt: skip
+            asked = next(k for k in ("constraint", "prompt_logprobs", "ignore_eos") if k in extra)
+            what = {"constraint": "structured output", "prompt_logprobs": "echo with logprobs"}.get(asked, asked)
+            raise ApiError(400, f"{what} is not supported by this server's scheduler",
+                           param={"prompt_logprobs": "echo", "constraint": None}.get(asked, asked)) from None  # fmt: skip
         try:
             scheduler.submit(req)
         except AlchemistError as e:
@@ -413,18 +468,32 @@ def create_app(
             raise ApiError(400, str(e), param="max_tokens" if code else None, code=code) from None
         return req
 
-    def _submit_all(prompts: list, body: _Common, lengths: list, logprobs, prompt_logprobs=None):
+    async def _constraints_for(body: _Common, n_choices: int) -> list:
+        """Each choice's structured-output matcher (compiled once, in a worker thread), or Nones."""
+        spec = _constraint_spec(body)
+        if spec is None:
+            return [None] * n_choices
+        kind, value, field = spec
+        try:
+            grammar = await run_in_threadpool(constraints.grammar, kind, value)
+            return [await run_in_threadpool(constraints.constraint, grammar) for _ in range(n_choices)]
+        except ConstraintError as e:
+            raise ApiError(400, str(e), param=field) from None
+
+    async def _submit_all(prompts: list, body: _Common, lengths: list, logprobs, prompt_logprobs=None):
         """Queue n choices of each prompt (choice j of prompt i has index i * n + j); all of them or none."""
         n = body.n or 1
         if len(prompts) * n > MAX_PROMPTS:
             raise ApiError(400, f"at most {MAX_PROMPTS} choices per request (prompts times n), got {len(prompts) * n}",
                            param="n" if n > 1 else "prompt")  # fmt: skip
+        matchers = await _constraints_for(body, len(prompts) * n)
         q: asyncio.Queue = asyncio.Queue()
         reqs = []
         try:
             for i, (ids, max_tokens) in enumerate(zip(prompts, lengths)):
                 for j in range(n):
-                    reqs.append(_submit(ids, body, max_tokens, logprobs, q, len(reqs), prompt_logprobs, j))
+                    k = len(reqs)
+                    reqs.append(_submit(ids, body, max_tokens, logprobs, q, k, prompt_logprobs, j, matchers[k]))
         except ApiError:
             for r in reqs:
                 scheduler.cancel(r.id)
@@ -675,7 +744,7 @@ def create_app(
         requested = 16 if body.max_tokens is None else body.max_tokens
         lengths = [_check_lengths(len(ids), requested, True) for _, ids in prompts]
         scored = body.logprobs if body.echo and body.logprobs is not None else None
-        reqs, q = _submit_all([ids for _, ids in prompts], body, lengths, body.logprobs, scored)
+        reqs, q = await _submit_all([ids for _, ids in prompts], body, lengths, body.logprobs, scored)
         per_choice = [one for one in prompts for _ in range(body.n or 1)]
         shape = _CompletionShape(f"cmpl-{reqs[0].id}", int(time.time()), body.logprobs, per_choice, bool(body.echo))
         return await _answer(request, reqs, q, shape, body.stream, _include_usage(body))
@@ -694,7 +763,7 @@ def create_app(
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = _check_lengths(len(ids), requested, requested is not None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        reqs, q = _submit_all([ids], body, [max_tokens], logprobs)
+        reqs, q = await _submit_all([ids], body, [max_tokens], logprobs)
         shape = _ChatShape(f"chatcmpl-{reqs[0].id}", int(time.time()), logprobs, body.n or 1)
         return await _answer(request, reqs, q, shape, body.stream, _include_usage(body))
 

@@ -54,6 +54,9 @@ class Request:
     # None: off; k >= 0: score the prompt (a PromptEvent: each token's logprob and the top-k at its position); the
     # prompt is then prefilled whole, never taken from a slot's cache, which keeps no logits
     prompt_logprobs: int | None = None
+    # structured output (alchemist.serve.constraints.Constraint): masks each row of logits before the sampler
+    # draws, and advances with every token; once its grammar is complete only an end-of-generation token is left
+    constraint: object | None = None
     t_submit: float | None = None
     t_admit: float | None = None
     t_first: float | None = None
@@ -401,6 +404,9 @@ class Scheduler:
     def _sample(self, slot: _Slot, logits: np.ndarray) -> None:
         req = slot.request
         previous = (req.prompt + slot.out_ids) if req.params.repetition_penalty != 1.0 else []
+        raw = logits  # logprobs report the model's distribution, not the constrained one
+        if req.constraint is not None:
+            logits = req.constraint.allowed(logits)
         tok = slot.sampler(logits, previous)
         now = time.perf_counter()
         if req.t_first is None:
@@ -409,16 +415,18 @@ class Scheduler:
         else:
             self.stats.itl_seconds.observe(now - slot.t_last)
         slot.t_last = now
-        if tok in self.eos_ids and not req.ignore_eos:
+        if tok in self.eos_ids and (not req.ignore_eos or req.constraint is not None):  # a grammar's end ends it
             tail = slot.text.flush() if slot.text is not None else ""  # eos renders as nothing
             self._finish(slot, "stop", tail, matched=tok)
             return
+        if req.constraint is not None:
+            req.constraint.consume(tok)
         slot.out_ids.append(tok)
         self.stats.generated_tokens_total += 1
         delta, reason = slot.text.feed(tok) if slot.text is not None else ("", None)
         lp = top = None
         if req.logprobs is not None:
-            lp, top = _logprobs(logits, tok, req.logprobs)
+            lp, top = _logprobs(raw, tok, req.logprobs)
         self._emit(req, TokenEvent(req.id, tok, delta, lp, top))
         if reason is not None:
             self._finish(slot, reason, matched=slot.text.matched_stop)
