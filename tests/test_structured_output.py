@@ -134,6 +134,68 @@ def test_hostile_constraints_are_bounded_and_the_server_goes_on(toy_server):
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "fine"
 
 
+# ---------------------------------------------------------------------------------------------- tools
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                          "required": ["city", "days"], "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_parse_calls_reads_each_models_syntax():
+    from alchemist.serve.tools import parse_calls
+
+    names = {"get_weather", "get_time"}
+    hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert parse_calls(hermes, names) == [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                          {"name": "get_time", "arguments": {}}]  # fmt: skip
+    assert parse_calls('[TOOL_CALLS] [{"name": "get_time", "arguments": "{}"}]', names) == [{"name": "get_time", "arguments": {}}]
+    assert parse_calls(' {"name": "get_weather", "parameters": {"city": "Paris"}}', names)[0]["arguments"] == {"city": "Paris"}
+    for plain in ("It is sunny.", '{"name": "rm_rf", "arguments": {}}', "<tool_call>{not json</tool_call>", "[1, 2]", "{"):
+        assert parse_calls(plain, names) is None, plain
+
+
+def test_a_forced_tool_call_fits_its_function_and_auto_reads_the_models_call(toy_server):
+    """tool_choice naming a function, or "required": the answer is a call (finish_reason tool_calls) whose arguments
+    fit the function's parameters, whole or streamed as a delta; with "auto" the model's own <tool_call> block is
+    read as a call, and a plain answer stays content."""
+    sched, url = toy_server
+    body = {"messages": MESSAGES, "tools": [WEATHER, TIME], "max_tokens": 60, "temperature": 1.0, "seed": 2}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in (named, "required"):
+        r = httpx.post(url + CHAT, json={**body, "tool_choice": choice}).json()["choices"][0]
+        assert r["finish_reason"] == "tool_calls" and r["message"]["content"] is None, r
+        (call,) = r["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        args = json.loads(call["function"]["arguments"])
+        if call["function"]["name"] == "get_weather":
+            assert args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 7 and set(args) == {"city", "days"}
+        else:
+            assert choice == "required" and call["function"]["name"] == "get_time"
+    chunks = [json.loads(e[6:]) for e in httpx.post(url + CHAT, json={**body, "tool_choice": named, "stream": True})
+              .text.split("\n\n") if e.startswith("data: {")]  # fmt: skip
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    (call,) = next(d["tool_calls"] for d in deltas if d.get("tool_calls"))
+    assert call["index"] == 0 and json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    said = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
+    auto = httpx.post(url + CHAT, json={**body, "max_tokens": 150, "guided_choice": [said]}).json()["choices"][0]
+    assert auto["finish_reason"] == "tool_calls"
+    assert json.loads(auto["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo", "days": 2}
+    plain = httpx.post(url + CHAT, json={**body, "guided_choice": ["It is sunny."]}).json()["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["message"]["content"] == "It is sunny."
+    # the conversation goes on: the assistant's call and the tool's answer are messages
+    follow = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]  # fmt: skip
+    assert httpx.post(url + CHAT, json={**body, "messages": follow, "tool_choice": "none"}).status_code == 200
+    for bad, param in (({**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                       ({"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
+                       ({**body, "tool_choice": "required", "guided_regex": "a"}, "tool_choice")):  # fmt: skip
+        r = httpx.post(url + CHAT, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # ---------------------------------------------------------------------------------------------- ecosystem clients
 @pytest.fixture(scope="module")
 def model_server(tiny_gguf, tiny_dir):
@@ -150,7 +212,8 @@ def model_server(tiny_gguf, tiny_dir):
 
 
 def test_instructor_and_langchain_get_their_objects(model_server):
-    """instructor's JSON_SCHEMA mode and LangChain's with_structured_output (json_schema) return a valid object
+    """instructor's JSON_SCHEMA and TOOLS modes and LangChain's with_structured_output (json_schema, function
+    calling) return a valid object
     from the random-weight model: the schema holds by construction. instructor's JSON mode asks only for a JSON
     object (its schema goes into the prompt), so its model here has defaults for every field."""
     import instructor
@@ -178,4 +241,11 @@ def test_instructor_and_langchain_get_their_objects(model_server):
     llm = ChatOpenAI(base_url=model_server + "/v1", api_key="unused", model="tiny-llama", max_tokens=60,
                      temperature=0, max_retries=0)  # fmt: skip
     got = llm.with_structured_output(Person, method="json_schema").invoke("who?")
+    assert isinstance(got, Person) and len(got.name) <= 8
+    # tools: instructor's TOOLS mode and LangChain's function calling force a call to the model's schema
+    called = instructor.from_openai(client, mode=instructor.Mode.TOOLS).chat.completions.create(
+        response_model=Person, max_retries=0, **ask
+    )
+    assert isinstance(called, Person) and 0 <= called.age <= 99
+    got = llm.with_structured_output(Person, method="function_calling").invoke("who?")
     assert isinstance(got, Person) and len(got.name) <= 8

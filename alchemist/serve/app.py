@@ -29,12 +29,14 @@ from alchemist.runtime.sampling import SamplingParams
 from alchemist.serve.constraints import ConstraintError, Constraints
 from alchemist.serve.events import DoneEvent, PromptEvent, QueueFull, SchedulerClosed, TokenEvent
 from alchemist.serve.guard import RequestGuard
+from alchemist.serve.tools import forced_schema, openai_tool_calls, parse_calls, template_messages
 from alchemist.serve.guard import openai_error as _error_response
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOP = 16
 MAX_PROMPTS = 32  # choices in one request: prompts (/v1/completions) times n
 MAX_N = 8  # choices per prompt
+MAX_TOOLS = 128
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_WINDOW_S = 10.0
 DISCONNECT_POLL_S = 0.25  # how often a whole (non-streamed) answer asks whether its client is still there
@@ -107,9 +109,32 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer to one of them
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class ToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(_Common):
@@ -117,6 +142,9 @@ class ChatBody(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeBody(_Strict):
@@ -187,10 +215,39 @@ def _constraint_spec(body: _Common) -> tuple[str, object, str] | None:
                 except (json.JSONDecodeError, RecursionError):
                     raise ApiError(400, "guided_json is not a JSON schema", param=field) from None
             asked.append((kind, value, field))
+    mode, name = _tool_mode(body)
+    if mode == "forced":
+        asked.append(("json_schema", forced_schema(_tool_defs(body), name), "tool_choice"))
     if len(asked) > 1:
         raise ApiError(400, f"one structured-output constraint per request, got {', '.join(a[2] for a in asked)}",
                        param=asked[1][2])  # fmt: skip
     return asked[0] if asked else None
+
+
+def _tool_defs(body) -> list[dict]:
+    return [t.function.model_dump(exclude_none=True) for t in getattr(body, "tools", None) or []]
+
+
+def _tool_mode(body) -> tuple[str, str | None]:
+    """How a chat request uses its tools: "none" (no tools, or tool_choice none), "auto" (the model may call one:
+    its answer is parsed), or "forced" (required, or the named function: the call is generated under the tools'
+    schema); with the forced function's name."""
+    tools, choice = getattr(body, "tools", None), getattr(body, "tool_choice", None)
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice names a call, but the request has no tools", param="tool_choice")
+        return "none", None
+    if choice == "none":
+        return "none", None
+    if choice is None or choice == "auto":
+        return "auto", None
+    if choice == "required":
+        return "forced", None
+    names = [t.function.name for t in tools]
+    if choice.function.name not in names:
+        raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                       f"({', '.join(names)})", param="tool_choice")  # fmt: skip
+    return "forced", choice.function.name
 
 
 def _stop_list(stop) -> list[str]:
@@ -622,8 +679,10 @@ def create_app(
         """/v1/chat/completions: chat.completion(.chunk) objects, a choice per n; logprobs as content entries with
         their bytes."""
 
-        def __init__(self, rid: str, created: int, logprobs: int | None, n: int):
+        def __init__(self, rid: str, created: int, logprobs: int | None, n: int, tool_names: set[str]):
             self.rid, self.created, self.want_logprobs, self.n = rid, created, logprobs is not None, n
+            # with tools the answer is held back until it ends: it may turn out to be a call
+            self.tool_names, self.held = tool_names, {i: [] for i in range(n)}
 
         def _chunk(self, index: int, delta: dict, finish=None, logprobs=None) -> dict:
             c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -644,20 +703,40 @@ def create_app(
             return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.n)]
 
         def chunk(self, index: int, ev, logprob) -> list[dict]:
+            if self.tool_names:
+                self.held[index].append(ev.text)
+                return []
             if not ev.text and logprob is None:
                 return []
             lps = None if logprob is None else {"content": [logprob]}
             return [self._chunk(index, {"content": ev.text}, logprobs=lps)]
 
+        def calls(self, text: str, finish: str) -> list[dict] | None:
+            return parse_calls(text, self.tool_names) if self.tool_names and finish == "stop" else None
+
         def final(self, index: int, done) -> list[dict]:
-            text = [self._chunk(index, {"content": done.text})] if done.text else []
-            return text + [self._chunk(index, {}, done.finish_reason)]
+            if self.tool_names:
+                text = "".join(self.held[index]) + done.text
+                calls = self.calls(text, done.finish_reason)
+                if calls is not None:
+                    delta = {"content": None, "tool_calls": openai_tool_calls(calls, streamed=True)}
+                    return [self._chunk(index, delta), self._chunk(index, {}, "tool_calls")]
+            else:
+                text = done.text
+            return ([self._chunk(index, {"content": text})] if text else []) + [
+                self._chunk(index, {}, done.finish_reason)
+            ]
 
         def whole(self, dones: dict, texts: dict, logprobs: dict) -> dict:
             choices = []
             for i in sorted(dones):
                 message = {"role": "assistant", "content": texts[i], "refusal": None}
-                choice = {"index": i, "message": message, "logprobs": None, "finish_reason": dones[i].finish_reason}
+                finish = dones[i].finish_reason
+                calls = self.calls(texts[i], finish)
+                if calls is not None:
+                    message.update(content=None, tool_calls=openai_tool_calls(calls))
+                    finish = "tool_calls"
+                choice = {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
                 if self.want_logprobs:
                     choice["logprobs"] = {"content": logprobs[i], "refusal": None}
                 choices.append(choice)
@@ -755,16 +834,21 @@ def create_app(
         messages = []
         for m in body.messages:
             content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
-            messages.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+            extra = {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id))
+                     if v is not None}  # fmt: skip
+            messages.append({"role": m.role, "content": content or "", **extra})
+        mode, _ = _tool_mode(body)
+        tools = [{"type": "function", "function": f} for f in _tool_defs(body)] or None
         try:  # the template runs here (a worker thread), never in the scheduler's thread
-            ids = await run_in_threadpool(tokenizer.encode_chat, messages)
+            ids = await run_in_threadpool(tokenizer.encode_chat, template_messages(messages), tools=tools)
         except AlchemistError as e:
             raise ApiError(400, f"cannot render the chat template: {e}", param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = _check_lengths(len(ids), requested, requested is not None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         reqs, q = await _submit_all([ids], body, [max_tokens], logprobs)
-        shape = _ChatShape(f"chatcmpl-{reqs[0].id}", int(time.time()), logprobs, body.n or 1)
+        names = {t.function.name for t in body.tools or []} if mode != "none" else set()
+        shape = _ChatShape(f"chatcmpl-{reqs[0].id}", int(time.time()), logprobs, body.n or 1, names)
         return await _answer(request, reqs, q, shape, body.stream, _include_usage(body))
 
     @app.get("/v1/models")
