@@ -12,9 +12,9 @@ from alchemist.errors import AlchemistError
 
 def _cmd_inspect(args) -> int:
     from alchemist.arch import build_model_ir
-    from alchemist.gguf_io import read_gguf
+    from alchemist.reading import read_model
 
-    facts = read_gguf(args.model)
+    facts = read_model(args.model)
     ir = build_model_ir(facts)
     if args.ir:
         print(ir.to_json())
@@ -23,7 +23,10 @@ def _cmd_inspect(args) -> int:
     for t in ir.tensors:
         types[t.ggml_type] = types.get(t.ggml_type, 0) + 1
     lines = [
-        f"file          {facts.file_name}  ({facts.file_size / 1e6:.1f} MB, GGUF v{facts.version})",
+        f"file          {facts.file_name}  ({facts.file_size / 1e6:.1f} MB, "
+        + (
+            f"a snapshot of {len(ir.source_files)} safetensors files)" if ir.source_files else f"GGUF v{facts.version})"
+        ),
         f"model         {ir.model_name!r}",
         f"architecture  {ir.architecture}",
         *describe_components(ir),
@@ -198,10 +201,10 @@ def _mlp_lines(ir) -> list[str]:
 
 def _cmd_gen(args) -> int:
     from alchemist.arch import build_model_ir
-    from alchemist.gguf_io import read_gguf
+    from alchemist.reading import read_model
     from alchemist.runtime.api import write_generated
 
-    ir = build_model_ir(read_gguf(args.model))
+    ir = build_model_ir(read_model(args.model))
     target = write_generated(ir, args.output)
     print(f"wrote {target}")
     if not args.no_audit:
@@ -490,7 +493,7 @@ def _cmd_perplexity(args) -> int:
     return 0
 
 
-MODEL_HELP = "a GGUF file, or a reference model name: gemma-3-270m, qwen2.5-coder-0.5b"
+MODEL_HELP = "a GGUF file, a Hugging Face snapshot directory (llama, qwen3), or a reference model name: gemma-3-270m, qwen2.5-coder-0.5b"
 
 
 def _add_numerics(p, rounding_alias: bool = False) -> None:
@@ -523,12 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alchemist", description="GGUF language models as PyTensor code")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("inspect", help="summarize a GGUF file (or print its IR as JSON)")
+    p = sub.add_parser("inspect", help="summarize a GGUF file or snapshot (or print its IR as JSON)")
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--ir", action="store_true", help="print the ModelIR as JSON")
     p.set_defaults(fn=_cmd_inspect)
 
-    p = sub.add_parser("gen", help="generate the PyTensor module for a GGUF file")
+    p = sub.add_parser("gen", help="generate the PyTensor module for a GGUF file or snapshot")
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("-o", "--output", default="generated", help="output directory (default: generated/)")
     p.add_argument("--audit-dir", default="audits", help="where audit reports go (default: audits/)")

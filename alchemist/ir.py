@@ -93,6 +93,10 @@ class TensorBinding:
     kernel: bool = False
     # False for a tensor llama.cpp loads but never applies (gemma3n's K/V projections on KV-sharing layers)
     read: bool = field(default=True, metadata=LATER)
+    # a snapshot's tensor: the index of its file in ModelIR.source_files (offset is then within that file), and
+    # what the loader does to its values, as convert_hf_to_gguf would (("rope_pairs", n_head): llama's q/k rows)
+    file: int = field(default=0, metadata=LATER)
+    transform: tuple = field(default=(), metadata=LATER)
 
     @property
     def quantized(self) -> bool:
@@ -480,6 +484,9 @@ class ModelIR:
     # the GGUF metadata the family read, key -> value (a per-layer array as ("ndarray", dtype, values)): with the
     # tensor inventory, what rebuilds this IR (the generated module carries it as METADATA for its audit)
     metadata: tuple[tuple[str, object], ...] = field(default=(), metadata=LATER)
+    # read from a Hugging Face snapshot directory (source_file): its safetensors files, (name, size) each; () for a
+    # GGUF file. A snapshot's metadata is in GGUF keys, as convert_hf_to_gguf would write them
+    source_files: tuple[tuple[str, int], ...] = field(default=(), metadata=LATER)
 
     @property
     def attention_layers(self) -> tuple[LayerSpec, ...]:

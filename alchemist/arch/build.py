@@ -324,7 +324,10 @@ def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int,
             f"{facts.path}: tensor {name!r} is {info.ggml_type}, which alchemist multiplies only as a projection, "
             f"an embedding or an expert stack (its {spec.role} would be dequantized by gguf-py, which cannot read it)"
         )
-    return TensorBinding(name, info.ggml_type, info.shape, info.offset, info.nbytes, spec.role, kernel)
+    return TensorBinding(
+        name, info.ggml_type, info.shape, info.offset, info.nbytes, spec.role, kernel,
+        file=info.file, transform=info.transform,
+    )  # fmt: skip
 
 
 def rope_scaling(facts: GGUFFacts, hp: Hparams, family: Family, bound: set[str], dims: Dims) -> dict:
@@ -781,6 +784,7 @@ def build_ir(facts: GGUFFacts, family: Family) -> ModelIR:
         # GGUF file order: the order the loader reads the memory map in
         tensors=tuple(bindings[n] for n in facts.tensors),
         tap_names=family.tap_names,
+        source_files=getattr(facts, "source_files", ()),  # a snapshot's files
     )
     ir = family.components(hp, ir) if family.components else ir
     read = {"general.architecture"} | hp.read  # the architecture chose the family before hp existed

@@ -263,6 +263,19 @@ class ExpertRouting:
 
 
 @dataclass(frozen=True)
+class SnapshotSpec:
+    """How a Hugging Face snapshot (config.json and safetensors) of the family reads: what llama.cpp's
+    convert_hf_to_gguf does for it, as data. Tensor names map through gguf-py's TensorNameMap; config.json keys
+    through alchemist.snapshot.config's common table plus `config`."""
+
+    model_types: tuple[str, ...]  # config.json "model_type" values of the family
+    config: tuple[tuple[str, str], ...] = ()  # (config key, GGUF key) beyond the common table
+    # the converter reorders each head's q and k rows from rotate-half to adjacent pairs (llama's NORM RoPE), and
+    # writes rope.dimension_count (head_dim, or hidden_size / num_attention_heads)
+    permute_qk: bool = False
+
+
+@dataclass(frozen=True)
 class FixtureSpec:
     """How `alchemist.fixtures` writes a tiny random-weight model of the family (tensors: from its table)."""
 
@@ -352,3 +365,4 @@ class Family:
     components: Callable[[Hparams, ModelIR], ModelIR] | None = None
     fixture: FixtureSpec = FixtureSpec()
     notes: tuple[str, ...] = field(default=())
+    snapshot: SnapshotSpec | None = None  # None: the family reads from GGUF only

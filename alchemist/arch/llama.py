@@ -9,7 +9,7 @@ router ffn_gate_inp and the 3-D ffn_{gate,up,down}_exps (the gate optional: silu
 over all experts, top-k, weights renormalized, no weight scale (llama.cpp reads no MoE keys for llama).
 """
 
-from alchemist.arch.family import Family, FixtureSpec
+from alchemist.arch.family import Family, FixtureSpec, SnapshotSpec
 from alchemist.arch.table import (
     ATTN_OUT_BIAS,
     ATTN_QKV_BIAS,
@@ -35,6 +35,7 @@ FAMILY = Family(
     rope=RopeStyle.NORM,
     activation=Activation.SILU,
     rope_scalings=("none", "linear", "llama3", "yarn"),
+    snapshot=SnapshotSpec(model_types=("llama", "mistral"), permute_qk=True),
     fixture=FixtureSpec(
         vocab="spm",
         variants=(

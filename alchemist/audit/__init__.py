@@ -45,9 +45,9 @@ CHECK_NAMES = (
 def _load_gguf(path: str, size: int, mtime_ns: int):
     """(facts, rebuilt IR or None, error or None) for a GGUF file, cached by identity and mtime."""
     from alchemist.arch import build_model_ir
-    from alchemist.gguf_io import read_gguf
+    from alchemist.reading import read_model
 
-    facts = read_gguf(path)
+    facts = read_model(path)  # a GGUF file, or a snapshot directory
     try:
         return facts, build_model_ir(facts), None
     except AlchemistError as e:
@@ -73,11 +73,24 @@ def ir_from_module(src) -> tuple[object | None, str | None]:
         return None, "METADATA is missing or not a literal dict of str keys"
     if not isinstance(tensors, dict) or not isinstance(prov, dict) or not isinstance(data_offset, int):
         return None, "TENSORS, PROVENANCE or DATA_OFFSET is missing or not a literal"
+    source, placed = src.constant("SOURCE_FILES"), src.constant("TENSOR_FILES") or {}
     try:
         infos = {
-            name: TensorInfo(name, ggml_type, tuple(reversed(shape)), offset, nbytes)
+            name: TensorInfo(name, ggml_type, tuple(reversed(shape)), offset, nbytes, *placed.get(name, (0, ())))
             for name, (ggml_type, shape, offset, nbytes) in tensors.items()
         }
+        if source is not None:  # a snapshot: its metadata is already in GGUF keys
+            from alchemist.snapshot import SnapshotFacts
+
+            facts = SnapshotFacts(
+                path=str(prov["source_file"]),
+                file_size=prov["source_size"],
+                metadata={k: metadata_value(v) for k, v in metadata.items()},
+                tensors=infos,
+                source_files=tuple(tuple(e) for e in source),
+                _sha256=prov["source_sha256"],
+            )
+            return build_model_ir(facts), None
         facts = GGUFFacts(
             path=str(prov["source_file"]),
             file_size=prov["source_size"],

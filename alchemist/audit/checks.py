@@ -116,7 +116,8 @@ def check_provenance(ctx: Context) -> CheckResult:
     gen = prov.get("generator")
     if isinstance(gen, str) and not re.match(r"^alchemist \d+\.\d+\S*$", gen):
         f.append(f"PROVENANCE['generator'] {gen!r} does not name an alchemist version")
-    if isinstance(prov.get("source_file"), str) and not prov["source_file"].lower().endswith(".gguf"):
+    snapshot = ctx.src.constant("SOURCE_FILES") is not None
+    if isinstance(prov.get("source_file"), str) and not (snapshot or prov["source_file"].lower().endswith(".gguf")):
         f.append("PROVENANCE['source_file'] is not a .gguf file name")
 
     checked = []
@@ -371,16 +372,22 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
             if shape[-1] % block or math.prod(shape) // block * type_size != nbytes:
                 f.append(f"TENSORS[{name!r}]: {nbytes} bytes is not {gtype} data of shape {shape}")
         regions.append((offset, offset + nbytes, name))
-    regions.sort()
-    for (_, a1, an), (b0, _, bn) in zip(regions, regions[1:]):
-        if b0 < a1:
-            f.append(f"TENSORS regions of {an!r} and {bn!r} overlap")
     prov, data_offset = src.constant("PROVENANCE"), src.constant("DATA_OFFSET")
     size = prov.get("source_size") if isinstance(prov, dict) else None
+    files = {0: (prov.get("source_file") if isinstance(prov, dict) else "the file", size)}
+    placed = {name: 0 for _, _, name in regions}
+    if src.constant("SOURCE_FILES") is not None or src.constant("TENSOR_FILES") is not None:
+        files, placed = _snapshot_files(src, tensors, f)  # a snapshot: each tensor in one of its files
     if not (_is_int(data_offset) and data_offset >= 0):
         f.append("DATA_OFFSET is not a non-negative integer literal")
-    elif regions and _is_int(size) and data_offset + regions[-1][1] > size:
-        f.append(f"TENSORS region of {regions[-1][2]!r} ends past the end of the {size}-byte file")
+        data_offset = 0
+    for index, (file_name, file_size) in files.items():
+        mine = sorted(r for r in regions if placed.get(r[2]) == index)
+        for (_, a1, an), (b0, _, bn) in zip(mine, mine[1:]):
+            if b0 < a1:
+                f.append(f"TENSORS regions of {an!r} and {bn!r} overlap")
+        if mine and _is_int(file_size) and data_offset + mine[-1][1] > file_size:
+            f.append(f"TENSORS region of {mine[-1][2]!r} ends past the end of the {file_size}-byte {file_name}")
     if kernel is None:
         f.append("KERNEL_WEIGHTS is not a literal set of tensor names (`set()` when empty)")
         return
@@ -390,6 +397,36 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
             f.append(f"KERNEL_WEIGHTS names {n!r}, which is not in TENSORS")
         elif entry[0] not in SUPPORTED_TYPES or len(entry[1]) not in (2, 3):  # matrices, or stacked experts
             f.append(f"KERNEL_WEIGHTS names {n!r}, a {entry[0]} {entry[1]} tensor the kernels cannot read")
+
+
+def _snapshot_files(src: ModuleSource, tensors: dict, f: list[str]) -> tuple[dict, dict]:
+    """A snapshot module's files {index: (name, size)} and each tensor's file index, checked: SOURCE_FILES a tuple
+    of (plain file name, positive size), TENSOR_FILES naming exactly the TENSORS, each with a file and a
+    transform of a known kind."""
+    source, table = src.constant("SOURCE_FILES"), src.constant("TENSOR_FILES")
+    files, placed = {}, {}
+    if not (isinstance(source, tuple) and source and all(isinstance(e, tuple) and len(e) == 2 for e in source)):
+        f.append("SOURCE_FILES is not a literal tuple of (file name, size)")
+        return files, placed
+    for i, (name, size) in enumerate(source):
+        if not (isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name
+                and name not in (".", "..") and _is_int(size) and size > 0):  # fmt: skip
+            f.append(f"SOURCE_FILES[{i}] {name!r} is not a safetensors file name in the snapshot with a positive size")
+        files[i] = (name, size)
+    if not isinstance(table, dict) or set(table) != set(tensors):
+        f.append("TENSOR_FILES is not a literal dict naming exactly the TENSORS")
+        return files, placed
+    for name, entry in table.items():
+        ok = isinstance(entry, tuple) and len(entry) == 2 and entry[0] in files and isinstance(entry[1], tuple)
+        transform = entry[1] if ok else None
+        if ok and transform and not (len(transform) == 2 and transform[0] == "rope_pairs" and _is_int(transform[1])
+                                     and transform[1] > 0):  # fmt: skip
+            ok = False
+        if not ok:
+            f.append(f"TENSOR_FILES[{name!r}] is not (a SOURCE_FILES index, () or ('rope_pairs', heads))")
+            continue
+        placed[name] = entry[0]
+    return files, placed
 
 
 def check_config(ctx: Context) -> CheckResult:

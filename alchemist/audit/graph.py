@@ -127,6 +127,64 @@ def build_forward(
 # ---------------------------------------------------------------------------------------------------
 # dequantization: the loader probe and the uint8 weights in the graph
 # ---------------------------------------------------------------------------------------------------
+def _rope_pairs(values: np.ndarray, n: int) -> np.ndarray:
+    """convert_hf_to_gguf's permute by index: row h·d + 2i + j of the result is row h·d + j·d/2 + i of `values`
+    (d = rows per head), each head's rotate-half rows as adjacent pairs."""
+    d = values.shape[0] // n
+    h, i, j = np.meshgrid(np.arange(n), np.arange(d // 2), np.arange(2), indexing="ij")
+    source = np.empty(values.shape[0], np.int64)
+    source[(h * d + 2 * i + j).ravel()] = (h * d + j * (d // 2) + i).ravel()
+    return values[source]
+
+
+def probe_snapshot_loader(module, tensors: dict) -> list[str]:
+    """Run a snapshot module's load_weights on a synthetic directory (random values in two files, gaps between
+    regions) and compare what it returns with gguf's decoding of the same bytes, after each tensor's transform."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    transforms = {name: tuple(entry[1]) for name, entry in module.TENSOR_FILES.items()}
+    blobs, table, placed, raw = [bytearray(), bytearray()], {}, {}, {}
+    for k, (name, (gtype, shape, _, _)) in enumerate(tensors.items()):
+        small = tuple(shape) if len(shape) == 1 or transforms.get(name) else (min(shape[0], 2),) + tuple(shape[1:])
+        dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[gtype]
+        data = rng.standard_normal(math.prod(small)).astype(np.float32)
+        data = (data.view(np.uint32) >> 16).astype(np.uint16) if gtype == "BF16" else data.astype(dtype)
+        file = k % 2
+        blobs[file] += bytes(8 * int(rng.integers(0, 3)))  # a gap before every region
+        table[name] = (gtype, small, len(blobs[file]), data.nbytes)
+        placed[name] = (file, transforms.get(name, ()))
+        raw[name] = data.view(np.uint8)
+        blobs[file] += raw[name].tobytes()
+    saved = {k: module.__dict__.get(k) for k in ("TENSORS", "SOURCE_FILES", "TENSOR_FILES")}
+    f: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="alchemist-audit-") as tmp:
+        names = ("probe-1.safetensors", "probe-2.safetensors")
+        for name, blob in zip(names, blobs):
+            (Path(tmp) / name).write_bytes(bytes(blob))
+        module.TENSORS, module.TENSOR_FILES = table, placed
+        module.SOURCE_FILES = tuple((n, len(b)) for n, b in zip(names, blobs))
+        try:
+            got = module.load_weights(tmp)
+            if not isinstance(got, dict) or set(got) != set(table):
+                return ["load_weights(directory) does not return exactly the TENSORS names"]
+            for name, (gtype, small, _, _) in table.items():
+                want = dequantize(raw[name].reshape(small[:-1] + (-1,)), GGMLQuantizationType[gtype])
+                want = want.astype(np.float32).reshape(small)
+                if placed[name][1]:
+                    want = _rope_pairs(want, placed[name][1][1])
+                value = np.asarray(got[name])
+                if not (value.dtype == want.dtype and value.shape == want.shape and _same(value, want)):
+                    f.append(f"load_weights(directory)[{name!r}] is not gguf's float32 decoding of its {gtype} bytes, "
+                             f"transformed by {placed[name][1] or 'nothing'}")  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            f.append(f"load_weights(directory) raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        finally:
+            module.__dict__.update(saved)
+    return f
+
+
 def probe_loader(module, tensors: dict, kernel: set) -> list[str]:
     """Run load_weights on a synthetic file (random bytes, two rows per tensor, a non-zero DATA_OFFSET and
     gaps between regions) and compare what it returns with gguf's dequantization of the same bytes."""
@@ -753,7 +811,8 @@ def graph_audit(ctx: Context) -> GraphAudit:
     except Exception as e:  # noqa: BLE001
         g.error = f"importing the module raised {type(e).__name__}: {e}"
         return g
-    g.loader = probe_loader(module, tensors, kernel)
+    snapshot = getattr(module, "TENSOR_FILES", None) is not None
+    g.loader = probe_snapshot_loader(module, tensors) if snapshot else probe_loader(module, tensors, kernel)
     if ctx.ir is not None:
         g.roles = {t.name: t.role for t in ctx.ir.tensors}
         g.unread = {t.name for t in ctx.ir.tensors if not t.read}

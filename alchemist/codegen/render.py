@@ -604,7 +604,19 @@ def module_constants(ir: ModelIR) -> dict:
 
     The template renders them and the auditor compares a module's literals against them: one mapping."""
     check_renderable(ir)
-    return {name: value for name, value, _ in _constant_rows(ir)} | {"DATA_OFFSET": ir.data_offset}
+    return (
+        {name: value for name, value, _ in _constant_rows(ir)} | {"DATA_OFFSET": ir.data_offset} | _snapshot_tables(ir)
+    )
+
+
+def _snapshot_tables(ir: ModelIR) -> dict:
+    """A snapshot's files (name, size) and each tensor's (file, transform); nothing for a GGUF file."""
+    if not ir.source_files:
+        return {}
+    return {
+        "SOURCE_FILES": tuple(tuple(f) for f in ir.source_files),
+        "TENSOR_FILES": {t.name: (t.file, tuple(t.transform)) for t in ir.tensors},
+    }
 
 
 def template_context(ir: ModelIR) -> dict:
@@ -689,6 +701,7 @@ def template_context(ir: ModelIR) -> dict:
         source_sha256=ir.source_sha256,
         file_size=ir.file_size,
         data_offset=ir.data_offset,
+        snapshot=_snapshot_tables(ir),
         generator=f"alchemist {__version__}",
         ir_hash=ir.ir_hash(),
         constants=_constant_rows(ir),

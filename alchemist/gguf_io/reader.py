@@ -191,8 +191,10 @@ class TensorInfo:
     name: str
     ggml_type: str  # GGMLQuantizationType name, e.g. "Q4_K"
     ne: tuple[int, ...]  # GGUF order: ne[0] is the contiguous (input) dimension
-    offset: int  # relative to the start of the data section
+    offset: int  # relative to the start of the data section (a snapshot's: within its file)
     nbytes: int
+    file: int = 0  # a snapshot's: which of its files holds the tensor
+    transform: tuple = ()  # a snapshot's: what the loader does to the values (alchemist.snapshot)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from alchemist.version import __version__
 from alchemist.arch import build_model_ir
 from alchemist.codegen import module_slug, render_module
 from alchemist.errors import AlchemistError
-from alchemist.gguf_io import read_gguf
+from alchemist.reading import read_model
 from alchemist.ir import ModelIR
 from alchemist.paths import cache_subdir
 from alchemist.runtime.backends import blas_info, check_weights, require_backend
@@ -200,8 +200,8 @@ def load_llm(
     check_numerics(numerics)
     weights_format = check_weights(weights, backend, numerics)
     t0 = time.perf_counter()
-    path = resolve_model(path)  # a file, or a reference model's name ("gemma-3-270m")
-    facts = read_gguf(path)
+    path = resolve_model(path)  # a file, a snapshot directory, or a reference model's name ("gemma-3-270m")
+    facts = read_model(path)
     ir = build_model_ir(facts)
     module_path = write_generated(ir, generated_dir or generated_cache_dir())
     require_passing_audit(module_path, ir)  # an AuditError naming the failed checks instead of importing it
@@ -224,7 +224,8 @@ def load_llm(
         from alchemist.pytensor_ext.compile_progress import TqdmProgress
 
         engine.compile_progress = TqdmProgress()
-    tokenizer = _load_tokenizer(path, facts)
+    # a snapshot's tokenizer.json is not read yet: such a model takes token ids
+    tokenizer = None if getattr(facts, "source_files", ()) else _load_tokenizer(path, facts)
     if compile_now:
         engine.step_function(1)
     load_seconds = time.perf_counter() - t0

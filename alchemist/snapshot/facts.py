@@ -1,0 +1,182 @@
+"""A Hugging Face snapshot directory (config.json and safetensors files) read into the facts a GGUF file gives:
+GGUF metadata keys, GGUF tensor names and the tensors' places in their files, so that the families, the IR and
+everything after them do not know which front end read the model.
+
+What llama.cpp's convert_hf_to_gguf does is done here as data: config.json keys become GGUF keys (COMMON_CONFIG,
+plus the family's own), tensor names go through gguf-py's TensorNameMap (the converter's own map), and a
+family's weight transforms are recorded per tensor for the loader (llama's q and k rows, reordered for NORM
+RoPE). Nothing is copied: each tensor stays where it is in its file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from alchemist.errors import UnsupportedModelError
+from alchemist.gguf_io import TensorInfo
+from alchemist.snapshot.safetensors import DTYPES, SnapshotError, read_safetensors, snapshot_files
+
+# config.json key(s), first present wins -> GGUF key (convert_hf_to_gguf's TextModel.set_gguf_parameters)
+COMMON_CONFIG = (
+    (("num_hidden_layers", "n_layer", "num_layers"), "block_count"),
+    (("max_position_embeddings", "n_ctx", "n_positions"), "context_length"),
+    (("hidden_size", "n_embd", "dim"), "embedding_length"),
+    (("intermediate_size", "n_inner"), "feed_forward_length"),
+    (("num_attention_heads", "n_head"), "attention.head_count"),
+    (("num_key_value_heads",), "attention.head_count_kv"),
+    (("rope_theta",), "rope.freq_base"),
+    (("rms_norm_eps", "norm_eps"), "attention.layer_norm_rms_epsilon"),
+    (("layer_norm_eps", "layer_norm_epsilon"), "attention.layer_norm_epsilon"),
+    (("head_dim",), "attention.key_length"),
+    (("head_dim",), "attention.value_length"),
+    (("num_local_experts", "num_experts"), "expert_count"),
+    (("num_experts_per_tok",), "expert_used_count"),
+)
+MAX_CONFIG_BYTES = 1 << 20
+
+
+@dataclass
+class SnapshotFacts:
+    """GGUFFacts' view of a snapshot: `path` is the directory; a tensor's `offset` is absolute in its file
+    (`source_files[info.file]`), its `transform` what the loader does to its values."""
+
+    path: str
+    file_size: int  # the files' bytes, together
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    source_files: tuple[tuple[str, int], ...]  # (name relative to the directory, size)
+    data_offset: int = 0
+    version: str = "safetensors"
+    alignment: int = 1
+    metadata_types: dict[str, str] = field(default_factory=dict)
+    _sha256: str | None = field(repr=False, default=None)
+
+    @property
+    def file_name(self) -> str:
+        return os.path.basename(os.path.normpath(self.path))
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["general.architecture"]
+
+    def sha256(self) -> str:
+        """The snapshot's identity: sha256 over each file's name, size and sha256 (config.json included)."""
+        if self._sha256 is None:
+            from alchemist.gguf_io.reader import _cached_file_sha256
+
+            names = ["config.json", *(name for name, _ in self.source_files)]
+            lines = [f"{n}\t{os.path.getsize(os.path.join(self.path, n))}\t"
+                     f"{_cached_file_sha256(os.path.join(self.path, n))}\n" for n in names]  # fmt: skip
+            self._sha256 = hashlib.sha256("".join(lines).encode()).hexdigest()
+        return self._sha256
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """A tensor's stored bytes (before its transform), a read-only view into its file's memory map."""
+        info = self.tensors[name]
+        data = np.memmap(os.path.join(self.path, self.source_files[info.file][0]), dtype=np.uint8, mode="r")
+        return data[info.offset : info.offset + info.nbytes]
+
+
+def is_snapshot(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _family_for(config: dict, where: str):
+    from alchemist.arch import FAMILIES
+
+    model_type = config.get("model_type")
+    for family in FAMILIES.values():
+        if family.snapshot is not None and model_type in family.snapshot.model_types:
+            return family
+    readable = sorted(t for f in FAMILIES.values() if f.snapshot for t in f.snapshot.model_types)
+    raise UnsupportedModelError(f"{where}: model_type {model_type!r} is not read from snapshots yet "
+                                f"(read: {', '.join(readable)}; every family reads from GGUF)")  # fmt: skip
+
+
+def _gguf_value(value, where: str, key: str):
+    """A config value as GGUF stores it: integers as they are, numbers as float32 (as the converter writes)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SnapshotError(where, key, f"expected a number, got {value!r}")
+    return value if isinstance(value, int) else float(np.float32(value))
+
+
+def _metadata(config: dict, family, where: str) -> dict:
+    arch = family.name
+    meta: dict[str, Any] = {"general.architecture": arch}
+    if isinstance(config.get("name_or_path"), str):
+        meta["general.name"] = config["name_or_path"]
+    pairs = [*COMMON_CONFIG, *((((k,), g) for k, g in family.snapshot.config))]
+    for keys, gguf_key in pairs:
+        key = next((k for k in keys if config.get(k) is not None), None)
+        if key is not None:
+            meta[f"{arch}.{gguf_key}"] = _gguf_value(config[key], where, key)
+    scaling = config.get("rope_scaling") or config.get("rope_parameters")
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind == "linear":
+        meta[f"{arch}.rope.scaling.type"] = "linear"
+        meta[f"{arch}.rope.scaling.factor"] = _gguf_value(scaling.get("factor"), where, "rope_scaling.factor")
+    elif kind not in (None, "default"):
+        raise UnsupportedModelError(f"{where}: rope_scaling {kind!r} is not read from snapshots yet")
+    if family.snapshot.permute_qk:
+        heads = meta.get(f"{arch}.attention.head_count")
+        head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
+        meta[f"{arch}.rope.dimension_count"] = _gguf_value(head_dim, where, "head_dim")
+    return meta
+
+
+def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
+    """The facts of the snapshot directory at `path` (SnapshotError / UnsupportedModelError name what is wrong)."""
+    import gguf
+
+    root = Path(path)
+    config_path = root / "config.json"
+    try:
+        if config_path.stat().st_size > MAX_CONFIG_BYTES:
+            raise SnapshotError(str(config_path), "file", f"over {MAX_CONFIG_BYTES} bytes")
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise SnapshotError(str(config_path), "file", f"cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise SnapshotError(str(config_path), "file", "is not a JSON object")
+    family = _family_for(config, str(config_path))
+    metadata = _metadata(config, family, str(config_path))
+    arch = family.name
+    n_layer = metadata.get(f"{arch}.block_count")
+    if not isinstance(n_layer, int) or n_layer < 1:
+        raise SnapshotError(str(config_path), "num_hidden_layers", f"must be a positive integer, got {n_layer!r}")
+    model_arch = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(model_arch, n_layer)
+    heads = {"attn_q": metadata.get(f"{arch}.attention.head_count")}
+    heads["attn_k"] = metadata.get(f"{arch}.attention.head_count_kv", heads["attn_q"])
+    files = snapshot_files(root)
+    tensors: dict[str, TensorInfo] = {}
+    sources, unknown = [], []
+    for i, file in enumerate(files):
+        st = read_safetensors(file)
+        sources.append((file.name, st.size))
+        for hf_name, e in st.tensors.items():
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                unknown.append(hf_name)
+                continue
+            if name in tensors:
+                raise SnapshotError(str(file), f"tensor {hf_name!r}", f"is {name}, which another tensor already is")
+            transform = ()
+            kind = name.split(".")[-2] if name.startswith("blk.") else ""
+            if family.snapshot.permute_qk and kind in heads:
+                transform = ("rope_pairs", int(heads[kind]))  # convert_hf_to_gguf's permute(W, n_head)
+            ggml_type = DTYPES[e.dtype][0]
+            tensors[name] = TensorInfo(name, ggml_type, tuple(reversed(e.shape)), e.start, e.nbytes, i, transform)
+    if unknown:
+        shown = ", ".join(repr(n) for n in unknown[:8]) + (
+            f" … and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+        )
+        raise UnsupportedModelError(f"{root}: tensors gguf-py's {arch} name map does not know: {shown}")
+    size = sum(n for _, n in sources)
+    return SnapshotFacts(str(root), size, metadata, tensors, tuple(sources))

@@ -1,0 +1,83 @@
+"""Hugging Face snapshots for the tests, written from a GGUF fixture by undoing what convert_hf_to_gguf does: GGUF
+keys back to config.json keys, GGUF names back to Hugging Face names (gguf-py's TensorNameMap, read backwards),
+llama's q/k rows back to rotate-half order, each tensor stored as F32, F16 or BF16 in one or more safetensors
+files (with model.safetensors.index.json when sharded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from alchemist.arch import FAMILIES
+from alchemist.gguf_io import read_gguf
+from alchemist.snapshot.facts import COMMON_CONFIG
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """tensors: name -> (dtype, array of the bytes to store: float32, float16, or uint16 bits for BF16)."""
+    header, offset, blobs = {}, 0, []
+    for name, (dtype, arr) in tensors.items():
+        raw = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even (as torch and MLX round)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _hf_names(arch: str, n_layer: int) -> dict[str, str]:
+    """GGUF name (without .weight/.bias) -> the Hugging Face name under model. (or lm_head) that maps to it."""
+    model_arch = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    out = {}
+    for hf, (_, name) in gguf.get_tensor_name_map(model_arch, n_layer).mapping.items():
+        if (hf.startswith("model.") or hf == "lm_head") and name not in out:
+            out[name] = hf
+    return out
+
+
+def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1) -> Path:
+    facts = read_gguf(gguf_path)
+    family = FAMILIES[facts.architecture]
+    arch, spec = family.name, family.snapshot
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = facts.metadata
+    config = {"model_type": spec.model_types[0], "tie_word_embeddings": "output.weight" not in facts.tensors}
+    for keys, key in COMMON_CONFIG:
+        if f"{arch}.{key}" in meta and keys[0] not in config:
+            value = meta[f"{arch}.{key}"]
+            config[keys[0]] = value.item() if hasattr(value, "item") else value
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    n_layer = int(meta[f"{arch}.block_count"])
+    hf = _hf_names(arch, n_layer)
+    heads = {"attn_q": config["num_attention_heads"],
+             "attn_k": config.get("num_key_value_heads", config["num_attention_heads"])}  # fmt: skip
+    tensors = {}
+    for name, info in facts.tensors.items():
+        base, suffix = name.rsplit(".", 1)
+        values = facts.tensor_bytes(name).view(np.float32).reshape(info.shape)
+        kind = base.split(".")[-1]
+        if spec.permute_qk and kind in heads:  # undo permute(W, n_head): adjacent pairs back to rotate-half
+            n = heads[kind]
+            values = values.reshape(n, values.shape[0] // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+        stored = {"F32": values, "F16": values.astype(np.float16), "BF16": bf16_bits(values)}[dtype]
+        tensors[f"{hf[base]}.{suffix}"] = (dtype, stored)
+    names = list(tensors)
+    parts = [names[i::shards] for i in range(shards)]
+    files = ["model.safetensors"] if shards == 1 else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    for file, part in zip(files, parts):
+        write_safetensors(out / file, {n: tensors[n] for n in part})
+    if shards > 1:
+        weight_map = {n: f for f, part in zip(files, parts) for n in part}
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out

@@ -1,0 +1,189 @@
+"""Hugging Face snapshots (config.json and safetensors) as a second input: the same IR as the GGUF the converter
+would write, a generated module that loads the snapshot in place and passes its audit, the same logits; and
+malformed snapshots refused by file and field. The snapshots are written from GGUF fixtures by undoing the
+conversion (tests/snapshot_fixture.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from alchemist import load_llm
+from alchemist.arch import build_model_ir
+from alchemist.errors import AlchemistError, UnsupportedModelError
+from alchemist.gguf_io import read_gguf
+from alchemist.snapshot import SnapshotError, read_snapshot
+from snapshot_fixture import snapshot_from_gguf, write_safetensors
+
+IDS = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128]
+
+
+def _computation(ir):
+    """The IR without where it was read from (file, identity, tensor places and types) and the keys it read."""
+    return dataclasses.replace(ir, source_file="", source_sha256="", file_size=0, data_offset=0, source_files=(),
+                               tensors=(), metadata=(), model_name="")  # fmt: skip
+
+
+@pytest.mark.parametrize("arch,shards", [("llama", 1), ("llama", 3), ("qwen3", 2)])
+def test_a_snapshot_reads_into_the_ir_of_its_gguf_conversion(tiny_gguf, tmp_path, arch, shards):
+    """config.json keys become the GGUF keys, Hugging Face names the GGUF names (gguf-py's map), llama's q/k rows
+    are marked for the converter's reordering: the IR computes what the GGUF's does; each tensor stays in place."""
+    gguf_path = tiny_gguf(arch)
+    snap = snapshot_from_gguf(gguf_path, tmp_path / "snap", shards=shards)
+    facts = read_snapshot(snap)
+    ours, theirs = build_model_ir(facts), build_model_ir(read_gguf(gguf_path))
+    assert _computation(ours) == _computation(theirs)
+    assert [t.name for t in ours.tensors] != [] and {t.name for t in ours.tensors} == {t.name for t in theirs.tensors}
+    assert len(ours.source_files) == shards and ours.source_file == "snap" and ours.data_offset == 0
+    q = next(t for t in ours.tensors if t.name == "blk.0.attn_q.weight")
+    assert q.transform == (("rope_pairs", 4) if arch == "llama" else ())
+    assert sum(size for _, size in ours.source_files) == facts.file_size
+    stored = facts.tensor_bytes("blk.1.ffn_down.weight").view(np.float32)
+    assert np.array_equal(stored, read_gguf(gguf_path).tensor_bytes("blk.1.ffn_down.weight").view(np.float32))
+
+
+def test_a_snapshot_model_computes_what_its_gguf_computes(tiny_gguf, tiny_dir, tmp_path):
+    """load_llm(snapshot directory): the generated module passes its audit (against the directory too), reads the
+    F32 snapshot into the GGUF's very weights (llama's q/k rows reordered) and gives its logits bit for bit; a BF16
+    snapshot reads its values widened exactly."""
+    from alchemist.audit import audit_module
+
+    gguf_path = tiny_gguf("llama")
+    f32 = snapshot_from_gguf(gguf_path, tmp_path / "f32", shards=2)
+    bf16 = snapshot_from_gguf(gguf_path, tmp_path / "bf16", dtype="BF16")
+    want = load_llm(gguf_path, backend="c", context=32, generated_dir=tiny_dir / "snap-ref", progress=False)
+    got = load_llm(f32, backend="c", context=32, generated_dir=tmp_path / "gen", progress=False)
+    assert got.tokenizer is None  # tokenizer.json is not read yet: token ids in
+    for m in (want, got):
+        m.engine.reset()
+    np.testing.assert_array_equal(got.engine.run(IDS, 0, all_logits=True), want.engine.run(IDS, 0, all_logits=True))
+    report = audit_module(got.module_path, gguf_path=f32)
+    assert report.passed, [c for c in report.checks if not c.passed]
+    from alchemist.runtime.engine import import_generated
+
+    module = import_generated(load_llm(bf16, backend="c", context=32, generated_dir=tmp_path / "gen16",
+                                       progress=False, compile_now=False).module_path)  # fmt: skip
+    weights = module.load_weights(str(bf16))
+    exact = want.engine.weights  # float32 shared variables of the GGUF's weights
+    w = weights["token_embd.weight"]
+    ref = exact["token_embd.weight"].get_value()
+    assert w.dtype == np.float32 and np.max(np.abs(w - ref)) <= np.max(np.abs(ref)) * 2**-8
+    assert np.array_equal(w.view(np.uint32) & 0xFFFF, np.zeros_like(w.view(np.uint32)))  # bf16: the low half zero
+
+
+def _mutate(snap, mutation):
+    """Apply one mutation to a valid one-file snapshot's files."""
+    st = snap / "model.safetensors"
+    raw = st.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    kind, *args = mutation
+    if kind == "header":
+        header = args[0](header)
+        text = json.dumps(header).encode()
+        st.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+    elif kind == "bytes":
+        st.write_bytes(args[0](raw))
+    elif kind == "config":
+        cfg = json.loads((snap / "config.json").read_text())
+        (snap / "config.json").write_text(json.dumps(args[0](cfg)) if callable(args[0]) else args[0])
+    elif kind == "index":
+        (snap / "model.safetensors.index.json").write_text(json.dumps(args[0]))
+
+
+def _first(h):
+    return next(k for k in h if k != "__metadata__")
+
+
+MALFORMED = [
+    ("header length past the file", ("bytes", lambda r: (10**9).to_bytes(8, "little") + r[8:]), "header length"),
+    ("file shorter than 8 bytes", ("bytes", lambda r: r[:5]), "header length"),
+    ("header not JSON", ("bytes", lambda r: r[:8] + b"x" + r[9:]), "header"),
+    ("unknown dtype", ("header", lambda h: {**h, _first(h): {**h[_first(h)], "dtype": "Q7"}}), "dtype"),
+    ("a dtype alchemist does not read", ("header", lambda h: {**h, _first(h): {**h[_first(h)], "dtype": "I64"}}),
+     "not read by alchemist"),
+    ("bytes that do not hold the shape", ("header", lambda h: {**h, _first(h): {**h[_first(h)], "shape": [3, 3]}}),
+     "data_offsets"),
+    ("negative dimension", ("header", lambda h: {**h, _first(h): {**h[_first(h)], "shape": [-1]}}), "shape"),
+    ("a gap or overlap", ("header", lambda h: {**h, _first(h): {**h[_first(h)], "data_offsets": [
+        h[_first(h)]["data_offsets"][0] + 4, h[_first(h)]["data_offsets"][1] + 4]}}), "data_offsets"),
+    ("trailing bytes", ("bytes", lambda r: r + b"\0" * 16), "data"),
+    ("extra field in an entry", ("header", lambda h: {**h, _first(h): {**h[_first(h)], "x": 1}}), "tensor"),
+    ("config not JSON", ("config", "{nope"), "config.json"),
+    ("unknown model_type", ("config", lambda c: {**c, "model_type": "wizard"}), "model_type 'wizard'"),
+    ("layer count not a number", ("config", lambda c: {**c, "num_hidden_layers": "two"}), "num_hidden_layers"),
+    ("an index naming a file outside", ("index", {"weight_map": {"x": "../model.safetensors"}}), "weight_map"),
+    ("a tensor the name map does not know", ("header", lambda h: {"model.mystery.weight": h[_first(h)], **{
+        k: v for k, v in h.items() if k != _first(h)}}), "name map does not know"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,mutation,mention", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_a_malformed_snapshot_is_refused_by_file_and_field(tiny_gguf, tmp_path, name, mutation, mention):
+    snap = snapshot_from_gguf(tiny_gguf("qwen3"), tmp_path / "snap")
+    _mutate(snap, mutation)
+    with pytest.raises((SnapshotError, UnsupportedModelError)) as e:
+        build_model_ir(read_snapshot(snap))
+    assert mention in str(e.value) and isinstance(e.value, AlchemistError)
+
+
+def test_the_writer_and_reader_agree_on_layout(tmp_path):
+    """write_safetensors (the fixtures') lays tensors out as the safetensors library does; the reader finds each."""
+    from alchemist.snapshot import read_safetensors
+
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(5, np.float16)
+    write_safetensors(tmp_path / "t.safetensors", {"a": ("F32", a), "b": ("F16", b)})
+    st = read_safetensors(tmp_path / "t.safetensors")
+    assert np.array_equal(st.array("a"), a) and np.array_equal(st.array("b"), b)
+
+
+def test_random_damage_to_a_safetensors_file_is_an_alchemist_error_or_harmless(tiny_gguf, tmp_path):
+    """300 random byte flips and truncations of a snapshot's file, header and data: reading it either succeeds or
+    raises an AlchemistError naming the file, never another exception."""
+    from alchemist.snapshot import read_safetensors
+
+    snap = snapshot_from_gguf(tiny_gguf("qwen3"), tmp_path / "snap")
+    raw = (snap / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    rng = np.random.default_rng(7)
+    damaged = tmp_path / "damaged.safetensors"
+    for trial in range(300):
+        data = bytearray(raw)
+        if trial % 5 == 0:
+            data = data[: int(rng.integers(0, len(data)))]
+        else:
+            for _ in range(int(rng.integers(1, 4))):
+                at = int(rng.integers(0, 8 + n)) if trial % 2 else int(rng.integers(0, len(data)))
+                data[at] = int(rng.integers(0, 256))
+        damaged.write_bytes(bytes(data))
+        try:
+            read_safetensors(damaged)
+        except AlchemistError as e:
+            assert str(damaged) in str(e)
+
+
+@pytest.mark.parametrize(
+    "mutation,check",
+    [
+        (('("rope_pairs", 4)', '("rope_pairs", 2)'), "config"),  # a transform the IR does not say
+        (("    if not transform:\n        return values\n", "    return values\n"), "dequantization"),  # none applied
+        (("model-00002-of-00002.safetensors", "../model-00002-of-00002.safetensors"), "config"),  # outside the snapshot
+    ],
+    ids=["wrong transform", "transform skipped", "file outside"],
+)
+def test_the_audit_catches_a_snapshot_module_that_reads_wrong(tiny_gguf, tmp_path, mutation, check):
+    from alchemist.audit import audit_module
+    from alchemist.runtime.api import write_generated
+
+    snap = snapshot_from_gguf(tiny_gguf("llama"), tmp_path / "snap", shards=2)
+    ir = build_model_ir(read_snapshot(snap))
+    path = write_generated(ir, tmp_path / "gen")
+    text = path.read_text()
+    assert mutation[0] in text
+    path.write_text(text.replace(mutation[0], mutation[1], 1))
+    report = audit_module(path, ir=ir)
+    failed = {c.name for c in report.checks if not c.passed}
+    assert check in failed, [(c.name, c.why) for c in report.checks]
