@@ -348,6 +348,7 @@ def _cmd_validate(args) -> int:
         n_generate=args.generate,
         context=args.context,
         numerics=_numerics(args),
+        oracle=args.oracle,
     )
     stem = module_slug(Path(args.model).name) + _numerics_suffix(report["numerics"])
     paths = write_validation(report, args.output, stem)
@@ -584,8 +585,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--readme", dest="table", metavar="PATH", help="deprecated: the older spelling of --table")
     p.set_defaults(fn=_cmd_families)
 
-    p = sub.add_parser("validate", help="check the generated model against llama.cpp (JSON + markdown + PNG report)")
+    p = sub.add_parser(
+        "validate", help="check the generated model against llama.cpp or mlx-lm (JSON + markdown + PNG report)"
+    )
     p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--oracle", default="llama.cpp", choices=("llama.cpp", "mlx-lm"),
+                   help="llama.cpp (a GGUF file) or mlx-lm (a snapshot directory; exact numerics)")  # fmt: skip
     p.add_argument("--backend", default="all", help="all, or a comma-separated list of c,numba,jax,mlx")
     p.add_argument("--prompt", default=None, help="prompt text (default: a fixed sentence)")
     p.add_argument("--tokens", help="comma-separated prompt token ids instead of --prompt")

@@ -42,6 +42,10 @@ def _hf_names(arch: str, n_layer: int) -> dict[str, str]:
     for hf, (_, name) in gguf.get_tensor_name_map(model_arch, n_layer).mapping.items():
         if (hf.startswith("model.") or hf == "lm_head") and name not in out:
             out[name] = hf
+    for name in list(out):  # transformers' names where gguf-py lists another model's first
+        for gguf_suffix, hf_suffix in (("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")):
+            if name.endswith(gguf_suffix):
+                out[name] = out[name].rsplit(".self_attn.", 1)[0] + "." + hf_suffix
     return out
 
 
@@ -52,7 +56,8 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1) 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = facts.metadata
-    config = {"model_type": spec.model_types[0], "tie_word_embeddings": "output.weight" not in facts.tensors}
+    config = {"model_type": spec.model_types[0], "tie_word_embeddings": "output.weight" not in facts.tensors,
+              "vocab_size": facts.tensors["token_embd.weight"].shape[0]}  # fmt: skip
     for keys, key in COMMON_CONFIG:
         if f"{arch}.{key}" in meta and keys[0] not in config:
             value = meta[f"{arch}.{key}"]

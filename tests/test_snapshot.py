@@ -187,3 +187,16 @@ def test_the_audit_catches_a_snapshot_module_that_reads_wrong(tiny_gguf, tmp_pat
     report = audit_module(path, ir=ir)
     failed = {c.name for c in report.checks if not c.passed}
     assert check in failed, [(c.name, c.why) for c in report.checks]
+
+
+@pytest.mark.parametrize("arch,backend", [("llama", "c"), ("qwen3", "c"), ("llama", "numba")])
+def test_a_snapshot_passes_validation_against_mlx_lm(tiny_gguf, tmp_path, arch, backend):
+    """mlx-lm, a second and independent oracle (its own model classes over the snapshot, MLX on CPU): the logits at
+    every prompt position within the exact bar (NMSE <= 1e-6) and 8 greedy steps the same."""
+    from alchemist.harness.validate import validate_model
+
+    snap = snapshot_from_gguf(tiny_gguf(arch), tmp_path / "snap", shards=2)
+    report = validate_model(str(snap), [backend], n_generate=8, context=64, oracle="mlx-lm", progress=None)
+    result = report["backends"][backend]
+    assert report["passed"] and report["oracle"] == "mlx-lm", result["failures"]
+    assert result["prompt"]["logits_nmse"] <= 1e-6 and result["greedy"]["n_agree"] == 8

@@ -77,12 +77,12 @@ def load_for_validation(
     exact engine can be shared by a fixture's files of every weight type (validate_backend(engine=...)), a
     "ggml" one rounds as its own file's weight types say. validate_model and diff_model default to "ggml"."""
     from alchemist.arch import build_model_ir
-    from alchemist.gguf_io import read_gguf
+    from alchemist.reading import read_model
     from alchemist.runtime.api import generated_cache_dir, write_generated
     from alchemist.runtime.engine import import_generated
 
     numerics = resolve_numerics(None if llamacpp_rounding else numerics, llamacpp_rounding)
-    ir = build_model_ir(read_gguf(path))
+    ir = build_model_ir(read_model(path))  # a GGUF file or a snapshot directory
     module = import_generated(write_generated(ir, generated_dir or generated_cache_dir()))
     return LoadedForValidation(str(path), ir, module, numerics)
 
@@ -323,9 +323,17 @@ def engine_weights(engine) -> list:
     return [sv.get_value(borrow=True) for sv in engine.weights.values()]
 
 
+SNAPSHOT_PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]  # ids: a snapshot's tokenizer is not read
+
+
 def prompt_ids_for(path: str, text: str | None) -> list[int]:
+    from alchemist.snapshot import is_snapshot
     from alchemist.tokenizer import load_tokenizer
 
+    if is_snapshot(path):
+        if text is not None:
+            raise AlchemistError(f"{path}: a snapshot's tokenizer.json is not read yet; give token ids (--tokens)")
+        return list(SNAPSHOT_PROMPT)
     return load_tokenizer(path).encode(text or DEFAULT_PROMPT)
 
 
@@ -339,11 +347,18 @@ def validate_model(
     progress=print,
     llamacpp_rounding: bool = False,
     numerics: str | None = None,
+    oracle: str = "llama.cpp",
 ) -> dict:
     """Validate `path` on each backend computing with `numerics` (default "ggml"; llamacpp_rounding=True is
-    the older spelling of "ggml"); an "exact" backend that fails gets an attribution (attribute_to_rounding)."""
+    the older spelling of "ggml"); an "exact" backend that fails gets an attribution (attribute_to_rounding).
+    `oracle`: "llama.cpp" (a GGUF file), or "mlx-lm" (a snapshot directory: logits and greedy steps, exact
+    numerics, no named intermediates)."""
     from alchemist.harness.oracle import LlamaCppOracle
 
+    if oracle not in ("llama.cpp", "mlx-lm"):
+        raise AlchemistError(f"unknown oracle {oracle!r} (llama.cpp or mlx-lm)")
+    if oracle == "mlx-lm":
+        return _validate_with_mlx_lm(path, backends, prompt, n_generate, context, progress)
     numerics = resolve_numerics(numerics, llamacpp_rounding)
     loaded = load_for_validation(path, numerics=numerics)
     prompt = prompt if prompt is not None else prompt_ids_for(path, None)
@@ -372,6 +387,38 @@ def validate_model(
                 res["attribution"] = attribute_to_rounding(path, backend, oracle, prompt, n_generate, context)
                 if progress:
                     progress(f"{backend}: " + attribution_text(res["attribution"]))
+    report["passed"] = all(r["passed"] for r in report["backends"].values())
+    return report
+
+
+def _validate_with_mlx_lm(path, backends, prompt, n_generate, context, progress) -> dict:
+    """validate_model against mlx-lm's own model classes: exact numerics (mlx-lm rounds no activations)."""
+    from alchemist.harness.mlx_oracle import MlxLmOracle
+
+    loaded = load_for_validation(path, numerics="exact")
+    prompt = prompt if prompt is not None else prompt_ids_for(path, None)
+    context = max(context, len(prompt) + n_generate + 1)
+    report = {
+        "model": loaded.ir.model_name,
+        "source_file": loaded.ir.source_file,
+        "source_sha256": loaded.ir.source_sha256,
+        "architecture": loaded.ir.architecture,
+        "weight_types": sorted({t.ggml_type for t in loaded.ir.tensors}),
+        "thresholds": THRESHOLDS,
+        "numerics": "exact",
+        "oracle": "mlx-lm",
+        "arithmetic": {"note": "oracle: mlx-lm's model classes on MLX's CPU backend, weights widened to float32"},
+        "prompt_token_ids": prompt,
+        "backends": {},
+    }
+    if progress:
+        progress(report["arithmetic"]["note"])
+    with MlxLmOracle(path) as oracle:
+        for backend in backends:
+            res = validate_backend(loaded, backend, oracle, prompt, n_generate, context, layers=False)
+            report["backends"][backend] = res
+            if progress:
+                progress(f"{backend}: {'PASS' if res['passed'] else 'FAIL'} " + "; ".join(res["failures"]))
     report["passed"] = all(r["passed"] for r in report["backends"].values())
     return report
 
