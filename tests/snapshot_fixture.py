@@ -35,18 +35,26 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+# transformers' own names, where gguf-py's map lists other models' names for the same GGUF tensor first
+TRANSFORMERS_NAMES = ("embed_tokens", "norm", "lm_head", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                      "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
+                      "mlp.down_proj", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm")  # fmt: skip
+
+
 def _hf_names(arch: str, n_layer: int) -> dict[str, str]:
-    """GGUF name (without .weight/.bias) -> the Hugging Face name under model. (or lm_head) that maps to it."""
+    """GGUF name (without .weight/.bias) -> the Hugging Face name (transformers') that maps to it."""
     model_arch = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
-    out = {}
+    candidates: dict[str, list[str]] = {}
     for hf, (_, name) in gguf.get_tensor_name_map(model_arch, n_layer).mapping.items():
-        if (hf.startswith("model.") or hf == "lm_head") and name not in out:
-            out[name] = hf
-    for name in list(out):  # transformers' names where gguf-py lists another model's first
-        for gguf_suffix, hf_suffix in (("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")):
-            if name.endswith(gguf_suffix):
-                out[name] = out[name].rsplit(".self_attn.", 1)[0] + "." + hf_suffix
-    return out
+        if hf.startswith(("model.embed", "model.norm", "model.layers.")) and ".layers.layers." not in hf or hf == "lm_head":
+            candidates.setdefault(name, []).append(hf)
+
+    def rank(hf: str) -> int:
+        tail = hf.split(".", 3)[-1] if hf.startswith("model.layers.") else hf.removeprefix("model.")
+        return 0 if tail in TRANSFORMERS_NAMES else 1
+
+    return {name: min(hfs, key=rank) for name, hfs in candidates.items()}
 
 
 def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1) -> Path:
@@ -58,10 +66,12 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1) 
     meta = facts.metadata
     config = {"model_type": spec.model_types[0], "tie_word_embeddings": "output.weight" not in facts.tensors,
               "vocab_size": facts.tensors["token_embd.weight"].shape[0]}  # fmt: skip
-    for keys, key in COMMON_CONFIG:
+    for keys, key in (*COMMON_CONFIG, *(((k,), g) for k, g in spec.config)):
         if f"{arch}.{key}" in meta and keys[0] not in config:
             value = meta[f"{arch}.{key}"]
             config[keys[0]] = value.item() if hasattr(value, "item") else value
+    if spec.norm_plus_one:  # Gemma: transformers' (and mlx-lm's) scale is query_pre_attn_scalar ** -0.5
+        config["query_pre_attn_scalar"] = config["head_dim"]
     (out / "config.json").write_text(json.dumps(config, indent=1))
     n_layer = int(meta[f"{arch}.block_count"])
     hf = _hf_names(arch, n_layer)
@@ -75,6 +85,8 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1) 
         if spec.permute_qk and kind in heads:  # undo permute(W, n_head): adjacent pairs back to rotate-half
             n = heads[kind]
             values = values.reshape(n, values.shape[0] // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+        if spec.norm_plus_one and name.endswith("norm.weight"):  # Hugging Face stores Gemma's w, GGUF 1 + w
+            values = values - np.float32(1.0)
         stored = {"F32": values, "F16": values.astype(np.float16), "BF16": bf16_bits(values)}[dtype]
         tensors[f"{hf[base]}.{suffix}"] = (dtype, stored)
     names = list(tensors)

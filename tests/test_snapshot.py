@@ -27,7 +27,7 @@ def _computation(ir):
                                tensors=(), metadata=(), model_name="")  # fmt: skip
 
 
-@pytest.mark.parametrize("arch,shards", [("llama", 1), ("llama", 3), ("qwen3", 2)])
+@pytest.mark.parametrize("arch,shards", [("llama", 1), ("llama", 3), ("qwen3", 2), ("gemma3", 2)])
 def test_a_snapshot_reads_into_the_ir_of_its_gguf_conversion(tiny_gguf, tmp_path, arch, shards):
     """config.json keys become the GGUF keys, Hugging Face names the GGUF names (gguf-py's map), llama's q/k rows
     are marked for the converter's reordering: the IR computes what the GGUF's does; each tensor stays in place."""
@@ -40,6 +40,8 @@ def test_a_snapshot_reads_into_the_ir_of_its_gguf_conversion(tiny_gguf, tmp_path
     assert len(ours.source_files) == shards and ours.source_file == "snap" and ours.data_offset == 0
     q = next(t for t in ours.tensors if t.name == "blk.0.attn_q.weight")
     assert q.transform == (("rope_pairs", 4) if arch == "llama" else ())
+    norm = next(t for t in ours.tensors if t.name == "blk.0.attn_norm.weight")
+    assert norm.transform == (("plus_one",) if arch == "gemma3" else ())
     assert sum(size for _, size in ours.source_files) == facts.file_size
     stored = facts.tensor_bytes("blk.1.ffn_down.weight").view(np.float32)
     assert np.array_equal(stored, read_gguf(gguf_path).tensor_bytes("blk.1.ffn_down.weight").view(np.float32))
@@ -171,16 +173,19 @@ def test_random_damage_to_a_safetensors_file_is_an_alchemist_error_or_harmless(t
         (('("rope_pairs", 4)', '("rope_pairs", 2)'), "config"),  # a transform the IR does not say
         (("    if not transform:\n        return values\n", "    return values\n"), "dequantization"),  # none applied
         (("model-00002-of-00002.safetensors", "../model-00002-of-00002.safetensors"), "config"),  # outside the snapshot
+        (("return values + np.float32(1.0)", "return values"), "dequantization"),  # Gemma's norm shift dropped
     ],
-    ids=["wrong transform", "transform skipped", "file outside"],
+    ids=["wrong transform", "transform skipped", "file outside", "norm shift dropped"],
 )
 def test_the_audit_catches_a_snapshot_module_that_reads_wrong(tiny_gguf, tmp_path, mutation, check):
     from alchemist.audit import audit_module
     from alchemist.runtime.api import write_generated
 
-    snap = snapshot_from_gguf(tiny_gguf("llama"), tmp_path / "snap", shards=2)
+    arch = "gemma3" if "1.0" in mutation[0] else "llama"
+    snap = snapshot_from_gguf(tiny_gguf(arch), tmp_path / "snap", shards=2)
     ir = build_model_ir(read_snapshot(snap))
     path = write_generated(ir, tmp_path / "gen")
+    assert audit_module(path, gguf_path=snap, ir=ir).passed
     text = path.read_text()
     assert mutation[0] in text
     path.write_text(text.replace(mutation[0], mutation[1], 1))
@@ -189,7 +194,7 @@ def test_the_audit_catches_a_snapshot_module_that_reads_wrong(tiny_gguf, tmp_pat
     assert check in failed, [(c.name, c.why) for c in report.checks]
 
 
-@pytest.mark.parametrize("arch,backend", [("llama", "c"), ("qwen3", "c"), ("llama", "numba")])
+@pytest.mark.parametrize("arch,backend", [("llama", "c"), ("qwen3", "c"), ("gemma3", "c"), ("llama", "numba")])
 def test_a_snapshot_passes_validation_against_mlx_lm(tiny_gguf, tmp_path, arch, backend):
     """mlx-lm, a second and independent oracle (its own model classes over the snapshot, MLX on CPU): the logits at
     every prompt position within the exact bar (NMSE <= 1e-6) and 8 greedy steps the same."""

@@ -273,6 +273,8 @@ class SnapshotSpec:
     # the converter reorders each head's q and k rows from rotate-half to adjacent pairs (llama's NORM RoPE), and
     # writes rope.dimension_count (head_dim, or hidden_size / num_attention_heads)
     permute_qk: bool = False
+    # Gemma's norms: Hugging Face stores w and computes x · (1 + w); GGUF stores 1 + w (every *norm.weight)
+    norm_plus_one: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ added, so they multiply as stored. The output is tied unless output.weight exist
 
 import math
 
-from alchemist.arch.family import Family, FixtureSpec, every_nth_dense
+from alchemist.arch.family import Family, FixtureSpec, SnapshotSpec, every_nth_dense
 from alchemist.arch.table import ATTN_POST_NORM, FFN_POST_NORM, LLAMA, QK_NORM_HEAD
 from alchemist.ir import Activation, RopeStyle
 
@@ -37,4 +37,15 @@ FAMILY = Family(
     ),
     # llama.cpp's llama_model::get_rope_freq_base/scale for a sliding layer: its own base, no scaling
     swa_rope=lambda hp, base, scale: (hp.float("rope.freq_base_swa", default=10000.0, positive=True), 1.0),
+    # the pattern is read from config.json (the converter leaves it to llama.cpp's default, 6, as real files have)
+    snapshot=SnapshotSpec(
+        model_types=("gemma3_text",),
+        config=(
+            ("sliding_window", "attention.sliding_window"),
+            ("sliding_window_pattern", "attention.sliding_window_pattern"),
+            ("rope_local_base_freq", "rope.freq_base_swa"),
+            ("final_logit_softcapping", "final_logit_softcapping"),
+        ),
+        norm_plus_one=True,
+    ),
 )

@@ -419,11 +419,13 @@ def _snapshot_files(src: ModuleSource, tensors: dict, f: list[str]) -> tuple[dic
     for name, entry in table.items():
         ok = isinstance(entry, tuple) and len(entry) == 2 and entry[0] in files and isinstance(entry[1], tuple)
         transform = entry[1] if ok else None
-        if ok and transform and not (len(transform) == 2 and transform[0] == "rope_pairs" and _is_int(transform[1])
-                                     and transform[1] > 0):  # fmt: skip
+        pairs = transform and len(transform) == 2 and transform[0] == "rope_pairs" and _is_int(transform[1])
+        if ok and transform and not (pairs and transform[1] > 0 or transform == ("plus_one",)):
             ok = False
         if not ok:
-            f.append(f"TENSOR_FILES[{name!r}] is not (a SOURCE_FILES index, () or ('rope_pairs', heads))")
+            f.append(
+                f"TENSOR_FILES[{name!r}] is not (a SOURCE_FILES index, (), ('rope_pairs', heads) or ('plus_one',))"
+            )
             continue
         placed[name] = entry[0]
     return files, placed

@@ -172,7 +172,9 @@ def probe_snapshot_loader(module, tensors: dict) -> list[str]:
             for name, (gtype, small, _, _) in table.items():
                 want = dequantize(raw[name].reshape(small[:-1] + (-1,)), GGMLQuantizationType[gtype])
                 want = want.astype(np.float32).reshape(small)
-                if placed[name][1]:
+                if placed[name][1] == ("plus_one",):
+                    want = want + np.float32(1.0)
+                elif placed[name][1]:
                     want = _rope_pairs(want, placed[name][1][1])
                 value = np.asarray(got[name])
                 if not (value.dtype == want.dtype and value.shape == want.shape and _same(value, want)):

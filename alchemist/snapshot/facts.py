@@ -5,7 +5,7 @@ everything after them do not know which front end read the model.
 What llama.cpp's convert_hf_to_gguf does is done here as data: config.json keys become GGUF keys (COMMON_CONFIG,
 plus the family's own), tensor names go through gguf-py's TensorNameMap (the converter's own map), and a
 family's weight transforms are recorded per tensor for the loader (llama's q and k rows, reordered for NORM
-RoPE). Nothing is copied: each tensor stays where it is in its file."""
+RoPE, Gemma's norms shifted by one). Nothing is copied: each tensor stays where it is in its file."""
 
 from __future__ import annotations
 
@@ -171,6 +171,8 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
             kind = name.split(".")[-2] if name.startswith("blk.") else ""
             if family.snapshot.permute_qk and kind in heads:
                 transform = ("rope_pairs", int(heads[kind]))  # convert_hf_to_gguf's permute(W, n_head)
+            elif family.snapshot.norm_plus_one and name.endswith("norm.weight"):
+                transform = ("plus_one",)  # Gemma's x · (1 + w), stored as 1 + w in GGUF
             ggml_type = DTYPES[e.dtype][0]
             tensors[name] = TensorInfo(name, ggml_type, tuple(reversed(e.shape)), e.start, e.nbytes, i, transform)
     if unknown:
