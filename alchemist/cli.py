@@ -494,7 +494,7 @@ def _cmd_perplexity(args) -> int:
     return 0
 
 
-MODEL_HELP = "a GGUF file, a Hugging Face snapshot directory (llama, qwen3, gemma3), or a reference model name: gemma-3-270m, qwen2.5-coder-0.5b"
+MODEL_HELP = "a GGUF file, a Hugging Face snapshot directory (llama, qwen3, gemma3, qwen3moe), or a reference model name: gemma-3-270m, qwen2.5-coder-0.5b"
 
 
 def _add_numerics(p, rounding_alias: bool = False) -> None:

@@ -39,7 +39,8 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 TRANSFORMERS_NAMES = ("embed_tokens", "norm", "lm_head", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                       "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
                       "mlp.down_proj", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                      "post_feedforward_layernorm")  # fmt: skip
+                      "post_feedforward_layernorm", "mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj",
+                      "mlp.experts.down_proj")  # fmt: skip
 
 
 def _hf_names(arch: str, n_layer: int) -> dict[str, str]:
@@ -72,6 +73,11 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1) 
             config[keys[0]] = value.item() if hasattr(value, "item") else value
     if spec.norm_plus_one:  # Gemma: transformers' (and mlx-lm's) scale is query_pre_attn_scalar ** -0.5
         config["query_pre_attn_scalar"] = config["head_dim"]
+    for key, value, _ in spec.requires:  # what llama.cpp's family computes (mlx-lm wants them said)
+        config[key] = value
+    if "num_local_experts" in config:  # transformers' qwen3_moe (and mlx-lm) say num_experts
+        config["num_experts"] = config.pop("num_local_experts")
+    config.setdefault("intermediate_size", config.get("moe_intermediate_size"))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     n_layer = int(meta[f"{arch}.block_count"])
     hf = _hf_names(arch, n_layer)
@@ -88,7 +94,10 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1) 
         if spec.norm_plus_one and name.endswith("norm.weight"):  # Hugging Face stores Gemma's w, GGUF 1 + w
             values = values - np.float32(1.0)
         stored = {"F32": values, "F16": values.astype(np.float16), "BF16": bf16_bits(values)}[dtype]
-        tensors[f"{hf[base]}.{suffix}"] = (dtype, stored)
+        hf_name = hf[base]
+        for new, old in spec.renames:  # back to the stored form (MLX's switch_mlp)
+            hf_name = hf_name.replace(old, new)
+        tensors[f"{hf_name}.{suffix}"] = (dtype, stored)
     names = list(tensors)
     parts = [names[i::shards] for i in range(shards)]
     files = ["model.safetensors"] if shards == 1 else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]

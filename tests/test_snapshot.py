@@ -27,7 +27,7 @@ def _computation(ir):
                                tensors=(), metadata=(), model_name="")  # fmt: skip
 
 
-@pytest.mark.parametrize("arch,shards", [("llama", 1), ("llama", 3), ("qwen3", 2), ("gemma3", 2)])
+@pytest.mark.parametrize("arch,shards", [("llama", 1), ("llama", 3), ("qwen3", 2), ("gemma3", 2), ("qwen3moe", 2)])
 def test_a_snapshot_reads_into_the_ir_of_its_gguf_conversion(tiny_gguf, tmp_path, arch, shards):
     """config.json keys become the GGUF keys, Hugging Face names the GGUF names (gguf-py's map), llama's q/k rows
     are marked for the converter's reordering: the IR computes what the GGUF's does; each tensor stays in place."""
@@ -43,8 +43,8 @@ def test_a_snapshot_reads_into_the_ir_of_its_gguf_conversion(tiny_gguf, tmp_path
     norm = next(t for t in ours.tensors if t.name == "blk.0.attn_norm.weight")
     assert norm.transform == (("plus_one",) if arch == "gemma3" else ())
     assert sum(size for _, size in ours.source_files) == facts.file_size
-    stored = facts.tensor_bytes("blk.1.ffn_down.weight").view(np.float32)
-    assert np.array_equal(stored, read_gguf(gguf_path).tensor_bytes("blk.1.ffn_down.weight").view(np.float32))
+    stored = facts.tensor_bytes("blk.1.attn_output.weight").view(np.float32)
+    assert np.array_equal(stored, read_gguf(gguf_path).tensor_bytes("blk.1.attn_output.weight").view(np.float32))
 
 
 def test_a_snapshot_model_computes_what_its_gguf_computes(tiny_gguf, tiny_dir, tmp_path):
@@ -194,7 +194,9 @@ def test_the_audit_catches_a_snapshot_module_that_reads_wrong(tiny_gguf, tmp_pat
     assert check in failed, [(c.name, c.why) for c in report.checks]
 
 
-@pytest.mark.parametrize("arch,backend", [("llama", "c"), ("qwen3", "c"), ("gemma3", "c"), ("llama", "numba")])
+@pytest.mark.parametrize(
+    "arch,backend", [("llama", "c"), ("qwen3", "c"), ("gemma3", "c"), ("qwen3moe", "c"), ("llama", "numba")]
+)
 def test_a_snapshot_passes_validation_against_mlx_lm(tiny_gguf, tmp_path, arch, backend):
     """mlx-lm, a second and independent oracle (its own model classes over the snapshot, MLX on CPU): the logits at
     every prompt position within the exact bar (NMSE <= 1e-6) and 8 greedy steps the same."""
@@ -205,3 +207,24 @@ def test_a_snapshot_passes_validation_against_mlx_lm(tiny_gguf, tmp_path, arch, 
     result = report["backends"][backend]
     assert report["passed"] and report["oracle"] == "mlx-lm", result["failures"]
     assert result["prompt"]["logits_nmse"] <= 1e-6 and result["greedy"]["n_agree"] == 8
+
+
+def test_a_mixture_of_experts_snapshot_in_mlx_form_and_what_llama_cpp_cannot_compute(tiny_gguf, tmp_path):
+    """qwen3moe's experts stacked as MLX stores them (mlp.switch_mlp.*) read as ffn_*_exps; a config asking for
+    what llama.cpp's qwen3moe does not compute (weights not renormalized) is refused by key; experts stored one
+    tensor each are named in the refusal."""
+    snap = snapshot_from_gguf(tiny_gguf("qwen3moe"), tmp_path / "snap")
+    ir = build_model_ir(read_snapshot(snap))
+    assert ir.layers[0].mlp.up == "ffn_up_exps.weight" and ir.layers[0].mlp.router.n_expert == 8
+    config = json.loads((snap / "config.json").read_text())
+    (snap / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    with pytest.raises(UnsupportedModelError, match="norm_topk_prob is False, not True: llama.cpp's qwen3moe always"):
+        read_snapshot(snap)
+    (snap / "config.json").write_text(json.dumps(config))
+    st = snap / "model.safetensors"
+    raw = st.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8 : 8 + n].replace(b"mlp.switch_mlp.up_proj", b"mlp.experts.00.up_proj")  # the same length
+    st.write_bytes(raw[:8] + header + raw[8 + n :])
+    with pytest.raises(UnsupportedModelError, match="experts one tensor each are not stacked yet"):
+        read_snapshot(snap)

@@ -275,6 +275,10 @@ class SnapshotSpec:
     permute_qk: bool = False
     # Gemma's norms: Hugging Face stores w and computes x · (1 + w); GGUF stores 1 + w (every *norm.weight)
     norm_plus_one: bool = False
+    # (old, new) replaced in each tensor name before gguf-py maps it (MLX's stacked experts, `switch_mlp`)
+    renames: tuple[tuple[str, str], ...] = ()
+    # (config key, the only value llama.cpp's family computes, why): another value is refused
+    requires: tuple[tuple[str, object, str], ...] = ()
 
 
 @dataclass(frozen=True)

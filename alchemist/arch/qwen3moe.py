@@ -3,7 +3,7 @@ RoPE, no biases) and a mixture of experts in every layer: softmax over all exper
 weights renormalized; each expert a SwiGLU MLP of width expert_feed_forward_length (llama.cpp's fallback
 when it is absent or 0: feed_forward_length / expert_used_count)."""
 
-from alchemist.arch.family import ExpertRouting, Family, FixtureSpec
+from alchemist.arch.family import ExpertRouting, Family, FixtureSpec, SnapshotSpec
 from alchemist.arch.table import ATTN_NORM, ATTN_OUT, ATTN_QKV_SPLIT, FFN_MOE, FFN_NORM, OUTPUT, OUTPUT_NORM
 from alchemist.arch.table import QK_NORM_HEAD, TOKEN_EMBD
 from alchemist.ir import Activation, Gating, RopeStyle
@@ -22,5 +22,15 @@ FAMILY = Family(
     fixture=FixtureSpec(
         optional=("output.weight",),
         metadata=(("expert_count", 8), ("expert_used_count", 2), ("expert_feed_forward_length", 256)),
+    ),
+    snapshot=SnapshotSpec(
+        model_types=("qwen3_moe",),
+        config=(("moe_intermediate_size", "expert_feed_forward_length"),),
+        renames=((".mlp.switch_mlp.", ".mlp.experts."),),  # MLX's stacked experts
+        requires=(
+            ("norm_topk_prob", True, "llama.cpp's qwen3moe always renormalizes the chosen experts' weights"),
+            ("decoder_sparse_step", 1, "llama.cpp's qwen3moe has experts in every layer"),
+            ("mlp_only_layers", [], "llama.cpp's qwen3moe has experts in every layer"),
+        ),
     ),
 )

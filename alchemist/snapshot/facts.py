@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,9 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
     if not isinstance(config, dict):
         raise SnapshotError(str(config_path), "file", "is not a JSON object")
     family = _family_for(config, str(config_path))
+    for key, value, why in family.snapshot.requires:
+        if key in config and config[key] != value:
+            raise UnsupportedModelError(f"{config_path}: {key} is {config[key]!r}, not {value!r}: {why}")
     metadata = _metadata(config, family, str(config_path))
     arch = family.name
     n_layer = metadata.get(f"{arch}.block_count")
@@ -161,7 +165,10 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
         st = read_safetensors(file)
         sources.append((file.name, st.size))
         for hf_name, e in st.tensors.items():
-            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            mapped = hf_name
+            for old, new in family.snapshot.renames:
+                mapped = mapped.replace(old, new)
+            name = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
             if name is None:
                 unknown.append(hf_name)
                 continue
@@ -179,6 +186,12 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
         shown = ", ".join(repr(n) for n in unknown[:8]) + (
             f" … and {len(unknown) - 8} more" if len(unknown) > 8 else ""
         )
-        raise UnsupportedModelError(f"{root}: tensors gguf-py's {arch} name map does not know: {shown}")
+        per_expert = any(re.search(r"\.experts\.\d+\.", n) for n in unknown)
+        hint = (
+            " (experts one tensor each are not stacked yet: MLX's stacked switch_mlp form is read)"
+            if per_expert
+            else ""
+        )
+        raise UnsupportedModelError(f"{root}: tensors gguf-py's {arch} name map does not know: {shown}{hint}")
     size = sum(n for _, n in sources)
     return SnapshotFacts(str(root), size, metadata, tensors, tuple(sources))
