@@ -58,7 +58,40 @@ def _hf_names(arch: str, n_layer: int) -> dict[str, str]:
     return {name: min(hfs, key=rank) for name, hfs in candidates.items()}
 
 
-def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1) -> Path:
+def write_tokenizer(facts, out: Path, chat_template: str | None = None) -> None:
+    """tokenizer.json (built with the tokenizers library from the GGUF's vocabulary: a byte-level BPE with its
+    merges, or a SentencePiece-style unigram over its pieces with byte fallback) and tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    meta = facts.metadata
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = [int(t) for t in meta["tokenizer.ggml.token_type"]]
+    control = [i for i, t in enumerate(types) if t == int(gguf.TokenType.CONTROL)]
+    if meta["tokenizer.ggml.model"] == "gpt2":
+        merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+        tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+    else:
+        scores = [float(x) for x in meta["tokenizer.ggml.scores"]]
+        unk = next((i for i, t in enumerate(types) if t == int(gguf.TokenType.UNKNOWN)), 0)
+        tk = Tokenizer(models.Unigram(list(zip(tokens, scores)), unk_id=unk, byte_fallback=True))
+        tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                        decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
+    tk.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False}
+    for key, field in (("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id")):
+        if field in meta:
+            config[key] = tokens[int(meta[field])]
+    if chat_template:
+        config["chat_template"] = chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1, tokenizer: bool = False,
+                       chat_template: str | None = None) -> Path:  # fmt: skip
     facts = read_gguf(gguf_path)
     family = FAMILIES[facts.architecture]
     arch, spec = family.name, family.snapshot
@@ -103,6 +136,8 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1) 
     files = ["model.safetensors"] if shards == 1 else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
     for file, part in zip(files, parts):
         write_safetensors(out / file, {n: tensors[n] for n in part})
+    if tokenizer:
+        write_tokenizer(facts, out, chat_template)
     if shards > 1:
         weight_map = {n: f for f, part in zip(files, parts) for n in part}
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

@@ -58,7 +58,7 @@ def test_a_snapshot_model_computes_what_its_gguf_computes(tiny_gguf, tiny_dir, t
     bf16 = snapshot_from_gguf(gguf_path, tmp_path / "bf16", dtype="BF16")
     want = load_llm(gguf_path, backend="c", context=32, generated_dir=tiny_dir / "snap-ref", progress=False)
     got = load_llm(f32, backend="c", context=32, generated_dir=tmp_path / "gen", progress=False)
-    assert got.tokenizer is None  # tokenizer.json is not read yet: token ids in
+    assert got.tokenizer is None  # no tokenizer.json in this snapshot: token ids in
     for m in (want, got):
         m.engine.reset()
     np.testing.assert_array_equal(got.engine.run(IDS, 0, all_logits=True), want.engine.run(IDS, 0, all_logits=True))
@@ -228,3 +228,51 @@ def test_a_mixture_of_experts_snapshot_in_mlx_form_and_what_llama_cpp_cannot_com
     st.write_bytes(raw[:8] + header + raw[8 + n :])
     with pytest.raises(UnsupportedModelError, match="experts one tensor each are not stacked yet"):
         read_snapshot(snap)
+
+
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # a byte-level BPE; a SentencePiece-style unigram
+def test_a_snapshots_tokenizer_is_its_tokenizer_json(tiny_gguf, tmp_path, arch):
+    """Token ids as the tokenizers library gives them; decoding, piece by piece and streamed, gives the text back;
+    special tokens parsed or kept as text; the end of generation and the chat template from tokenizer_config.json,
+    rendered in alchemist's sandbox."""
+    from tokenizers import Tokenizer
+
+    from alchemist.snapshot.tokenizer import SnapshotTokenizer
+    from alchemist.tokenizer.chat import ChatTemplateError
+
+    snap = snapshot_from_gguf(tiny_gguf(arch), tmp_path / "snap", tokenizer=True, chat_template=CHAT)
+    tok, hf = SnapshotTokenizer(snap), Tokenizer.from_file(str(snap / "tokenizer.json"))
+    text = "the quick brown fox, café ☕ and then<|im_end|> done"
+    ids = tok.encode(text)
+    assert ids == hf.encode(text).ids and tok.decode(ids) == hf.decode(ids, skip_special_tokens=False) == text
+    stream = tok.stream_decoder()
+    assert "".join(stream.feed(i) for i in ids) + stream.flush() == text
+    if arch == "qwen3":
+        end = tok.token_to_id("<|im_end|>")
+        assert end in ids and end not in tok.encode(text, parse_special=False) and end in tok.eos_ids
+        assert tok.encode_chat([{"role": "user", "content": "hi"}])[:1] == [tok.token_to_id("<|im_start|>")]
+    assert tok.eos_id in tok.eos_ids and tok.vocab_size == hf.get_vocab_size()
+    config = json.loads((snap / "tokenizer_config.json").read_text())
+    (snap / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ ''.__class__.__mro__ }}"}))
+    with pytest.raises(ChatTemplateError):
+        SnapshotTokenizer(snap).encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_inference_on_a_snapshot_takes_text(tiny_gguf, tiny_dir, tmp_path):
+    """load_llm(snapshot with tokenizer.json): inference from text gives what the GGUF's model gives for the same
+    token ids (the snapshot's tokenizer.json is the tokenizer)."""
+    from alchemist import inference
+
+    gguf_path = tiny_gguf("qwen3")
+    snap = snapshot_from_gguf(gguf_path, tmp_path / "snap", tokenizer=True)
+    ours = load_llm(snap, backend="c", context=64, generated_dir=tmp_path / "gen", progress=False)
+    ref = load_llm(gguf_path, backend="c", context=64, generated_dir=tiny_dir / "snap-qwen3", progress=False)
+    out = inference(ours, "the quick brown fox", max_tokens=6)
+    ids = ours.tokenizer.encode("the quick brown fox")
+    assert out.prompt_token_ids == ids
+    assert out.output_token_ids == inference(ref, ids, max_tokens=6).output_token_ids
+    assert out.output == ours.tokenizer.decode(out.output_token_ids)

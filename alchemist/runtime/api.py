@@ -224,8 +224,12 @@ def load_llm(
         from alchemist.pytensor_ext.compile_progress import TqdmProgress
 
         engine.compile_progress = TqdmProgress()
-    # a snapshot's tokenizer.json is not read yet: such a model takes token ids
-    tokenizer = None if getattr(facts, "source_files", ()) else _load_tokenizer(path, facts)
+    if getattr(facts, "source_files", ()):  # a snapshot: its tokenizer.json (none: the model takes token ids)
+        from alchemist.snapshot.tokenizer import load_snapshot_tokenizer
+
+        tokenizer = load_snapshot_tokenizer(path)
+    else:
+        tokenizer = _load_tokenizer(path, facts)
     if compile_now:
         engine.step_function(1)
     load_seconds = time.perf_counter() - t0
