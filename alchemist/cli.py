@@ -28,7 +28,7 @@ def _cmd_inspect(args) -> int:
             f"a snapshot of {len(ir.source_files)} safetensors files)" if ir.source_files else f"GGUF v{facts.version})"
         ),
         f"model         {ir.model_name!r}",
-        f"architecture  {ir.architecture}",
+        f"architecture  {ir.architecture}   (computation {ir.computation_hash()[:12]}: a GGUF and its snapshot share it)",
         *describe_components(ir),
         f"tensors       {len(ir.tensors)}: " + ", ".join(f"{k}×{v}" for k, v in sorted(types.items())),
         *_kernel_line(ir),

@@ -578,6 +578,25 @@ class ModelIR:
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
+    def computation_hash(self) -> str:
+        """sha256 of what the model computes, without where it was read from: the source's name and identity, the
+        metadata keys read, each tensor's place, order and transform (its name, type, shape and role stay). A GGUF
+        file and the snapshot it was converted from (or to) share it."""
+        d = self.to_dict()
+        for key in (
+            "model_name",
+            "source_file",
+            "source_sha256",
+            "file_size",
+            "data_offset",
+            "source_files",
+            "metadata",
+        ):
+            d.pop(key, None)
+        kept = ("name", "ggml_type", "shape", "role", "kernel", "read")
+        d["tensors"] = sorted(({k: t[k] for k in kept if k in t} for t in d["tensors"]), key=lambda t: t["name"])
+        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
 
 def _asdict(obj):
     """dataclasses.asdict, leaving out LATER fields that hold their default."""

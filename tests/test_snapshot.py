@@ -35,7 +35,8 @@ def test_a_snapshot_reads_into_the_ir_of_its_gguf_conversion(tiny_gguf, tmp_path
     snap = snapshot_from_gguf(gguf_path, tmp_path / "snap", shards=shards)
     facts = read_snapshot(snap)
     ours, theirs = build_model_ir(facts), build_model_ir(read_gguf(gguf_path))
-    assert _computation(ours) == _computation(theirs)
+    assert _computation(ours) == _computation(theirs) and ours.computation_hash() == theirs.computation_hash()
+    assert ours.ir_hash() != theirs.ir_hash()  # the IR hash also covers where each was read from
     assert [t.name for t in ours.tensors] != [] and {t.name for t in ours.tensors} == {t.name for t in theirs.tensors}
     assert len(ours.source_files) == shards and ours.source_file == "snap" and ours.data_offset == 0
     q = next(t for t in ours.tensors if t.name == "blk.0.attn_q.weight")
