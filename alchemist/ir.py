@@ -97,6 +97,9 @@ class TensorBinding:
     # what the loader does to its values, as convert_hf_to_gguf would (("rope_pairs", n_head): llama's q/k rows)
     file: int = field(default=0, metadata=LATER)
     transform: tuple = field(default=(), metadata=LATER)
+    # a snapshot's MLX-quantized weight (ggml_type "MLX_AFFINE", shape the dequantized one, offset/nbytes its packed
+    # uint32 values): (bits, group size, scales and biases as (file, offset, nbytes, type)); w = scale · q + bias
+    quant: tuple = field(default=(), metadata=LATER)
 
     @property
     def quantized(self) -> bool:

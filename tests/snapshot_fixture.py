@@ -142,3 +142,23 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1, 
         weight_map = {n: f for f, part in zip(files, parts) for n in part}
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
+
+
+def mlx_quantized(snapshot, out_dir, bits: int = 4, group_size: int = 32, overrides=None) -> Path:
+    """The snapshot quantized by mlx-lm's own quantizer (affine; `overrides`: {module path suffix: {"bits",
+    "group_size"}}), saved as mlx-lm saves it: the packed weights with their scales and biases, and config.json's
+    `quantization`."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    overrides = overrides or {}
+
+    def predicate(path, module):
+        return next((v for suffix, v in overrides.items() if path.endswith(suffix)), True)
+
+    model, config = load_model(Path(snapshot))
+    model, config = quantize_model(model, config, group_size=group_size, bits=bits, quant_predicate=predicate)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    return out

@@ -277,3 +277,64 @@ def test_inference_on_a_snapshot_takes_text(tiny_gguf, tiny_dir, tmp_path):
     assert out.prompt_token_ids == ids
     assert out.output_token_ids == inference(ref, ids, max_tokens=6).output_token_ids
     assert out.output == ours.tokenizer.decode(out.output_token_ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_an_mlx_quantized_snapshot_reads_as_mlx_dequantizes_and_validates(tiny_gguf, tmp_path, arch):
+    """A snapshot quantized by mlx-lm's own quantizer (4 bits, groups of 32; the down projections 8 bits in groups
+    of 64 by a per-layer override; qwen3moe's stacked experts too): every weight loads as mx.dequantize gives it,
+    bit for bit; the module passes its audit; against mlx-lm the logits hold the quantized bar and 8 greedy steps
+    agree."""
+    import gguf
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from alchemist.audit import audit_module
+    from alchemist.audit.graph import _rope_pairs
+    from alchemist.harness.validate import validate_model
+    from alchemist.runtime.api import write_generated
+    from alchemist.runtime.engine import import_generated
+    from snapshot_fixture import mlx_quantized
+
+    snap = snapshot_from_gguf(tiny_gguf(arch), tmp_path / "snap")
+    q4 = mlx_quantized(snap, tmp_path / "q4", overrides={"down_proj": {"bits": 8, "group_size": 64}})
+    facts = read_snapshot(q4)
+    ir = build_model_ir(facts)
+    assert {t.quant[:2] for t in ir.tensors if t.quant} >= {(4, 32), (8, 64)}
+    path = write_generated(ir, tmp_path / "gen")
+    assert audit_module(path, gguf_path=q4, ir=ir).passed
+    ours = import_generated(path).load_weights(str(q4))
+    model, _ = load_model(q4)
+    params = dict(tree_flatten(model.parameters()))
+    names = gguf.get_tensor_name_map({n: a for a, n in gguf.MODEL_ARCH_NAMES.items()}[arch], ir.n_layer)
+    compared = 0
+    for module in (n.removesuffix(".scales") for n in params if n.endswith(".scales")):
+        q = [params[f"{module}.{part}"] for part in ("weight", "scales", "biases")]
+        info = next(t for t in ir.tensors if t.name == names.get_name(
+            module.replace(".switch_mlp.", ".experts.") + ".weight", try_suffixes=(".weight",)))  # fmt: skip
+        want = np.array(mx.dequantize(*q, group_size=info.quant[1], bits=info.quant[0]))
+        if info.transform:  # llama's q/k rows, reordered as the converter does
+            want = _rope_pairs(want, info.transform[1])
+        np.testing.assert_array_equal(ours[info.name], want)
+        compared += 1
+    assert compared >= 4 * ir.n_layer
+    report = validate_model(str(q4), ["c"], n_generate=8, context=64, oracle="mlx-lm", progress=None)
+    result = report["backends"]["c"]
+    assert report["passed"] and not result["exact_weights"] and result["greedy"]["n_agree"] == 8, result["failures"]
+
+
+def test_an_mlx_quantized_snapshot_that_says_too_little_is_refused_by_key(tiny_gguf, tmp_path):
+    from snapshot_fixture import mlx_quantized
+
+    q4 = mlx_quantized(snapshot_from_gguf(tiny_gguf("qwen3"), tmp_path / "snap"), tmp_path / "q4")
+    config = json.loads((q4 / "config.json").read_text())
+    for changed, error, mention in (
+        ({"quantization": {**config["quantization"], "mode": "mxfp4"}}, UnsupportedModelError, "mode 'mxfp4'"),
+        ({"quantization": None, "quantization_config": None}, SnapshotError, "quantization"),
+        ({"quantization": {**config["quantization"], "bits": 9}}, SnapshotError, "bits 9"),
+        ({"quantization": {**config["quantization"], "bits": 8}}, SnapshotError, r"scales: is F32 \[512, 8\], not"),
+    ):
+        (q4 / "config.json").write_text(json.dumps({**config, **changed}))
+        with pytest.raises(error, match=mention):
+            build_model_ir(read_snapshot(q4))

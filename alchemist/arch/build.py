@@ -42,6 +42,7 @@ from alchemist.kernels.formats import NOT_IN_GGUF_PY
 from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # weights loaded as float32 (every quantized one is a kernel type)
+SNAPSHOT_TYPES = ("MLX_AFFINE",)  # a snapshot's MLX-quantized weights, dequantized to float32 by the loader
 
 EPS_KEYS = {NormKind.RMS: "attention.layer_norm_rms_epsilon", NormKind.LAYER: "attention.layer_norm_epsilon"}
 
@@ -311,7 +312,7 @@ def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int,
             f"expected {list(expected)} (numpy order, {' x '.join(spec.shape)}) from the hyperparameters, "
             f"found {list(info.shape)}",
         )
-    if info.ggml_type not in KERNEL_TYPES and info.ggml_type not in FLOAT_TYPES:
+    if info.ggml_type not in KERNEL_TYPES and info.ggml_type not in FLOAT_TYPES + SNAPSHOT_TYPES:
         raise UnsupportedModelError(
             f"{facts.path}: tensor {name!r} is {info.ggml_type}, a type alchemist can neither multiply in its blocks "
             f"nor dequantize (weights: {', '.join(FLOAT_TYPES + KERNEL_TYPES)})"
@@ -326,7 +327,7 @@ def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int,
         )
     return TensorBinding(
         name, info.ggml_type, info.shape, info.offset, info.nbytes, spec.role, kernel,
-        file=info.file, transform=info.transform,
+        file=info.file, transform=info.transform, quant=info.quant,
     )  # fmt: skip
 
 

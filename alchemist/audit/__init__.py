@@ -74,9 +74,12 @@ def ir_from_module(src) -> tuple[object | None, str | None]:
     if not isinstance(tensors, dict) or not isinstance(prov, dict) or not isinstance(data_offset, int):
         return None, "TENSORS, PROVENANCE or DATA_OFFSET is missing or not a literal"
     source, placed = src.constant("SOURCE_FILES"), src.constant("TENSOR_FILES") or {}
+    quant = src.constant("MLX_QUANTIZED") or {}
     try:
         infos = {
-            name: TensorInfo(name, ggml_type, tuple(reversed(shape)), offset, nbytes, *placed.get(name, (0, ())))
+            name: TensorInfo(
+                name, ggml_type, tuple(reversed(shape)), offset, nbytes, *placed.get(name, (0, ())), quant.get(name, ())
+            )
             for name, (ggml_type, shape, offset, nbytes) in tensors.items()
         }
         if source is not None:  # a snapshot: its metadata is already in GGUF keys

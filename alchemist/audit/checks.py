@@ -365,7 +365,12 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
         if not (_is_int(offset) and offset >= 0 and _is_int(nbytes) and nbytes > 0):
             f.append(f"TENSORS[{name!r}] offset/nbytes are not non-negative integers")
             continue
-        if gtype not in sizes:
+        mlx = src.constant("MLX_QUANTIZED") or {}
+        if gtype == "MLX_AFFINE" and name in mlx:  # a snapshot's packed values: `bits` per value
+            bits = mlx[name][0] if isinstance(mlx[name], tuple) and mlx[name] and _is_int(mlx[name][0]) else 0
+            if not 1 <= bits <= 8 or math.prod(shape) * bits != nbytes * 8:
+                f.append(f"TENSORS[{name!r}]: {nbytes} bytes are not {shape} values of MLX_QUANTIZED's {bits} bits")
+        elif gtype not in sizes:
             f.append(f"TENSORS[{name!r}] has unknown ggml type {gtype!r}")
         else:
             block, type_size = sizes[gtype]
@@ -378,6 +383,13 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
     placed = {name: 0 for _, _, name in regions}
     if src.constant("SOURCE_FILES") is not None or src.constant("TENSOR_FILES") is not None:
         files, placed = _snapshot_files(src, tensors, f)  # a snapshot: each tensor in one of its files
+        for name, quant in (src.constant("MLX_QUANTIZED") or {}).items():  # its scales and biases: regions too
+            for i, part in enumerate(quant[2:] if isinstance(quant, tuple) else ()):
+                if isinstance(part, tuple) and len(part) == 4 and all(_is_int(x) for x in part[:3]):
+                    regions.append((part[1], part[1] + part[2], f"{name} ({('scales', 'biases')[i]})"))
+                    placed[f"{name} ({('scales', 'biases')[i]})"] = part[0]
+                else:
+                    f.append(f"MLX_QUANTIZED[{name!r}] part {i} is not (file, offset, nbytes, type)")
     if not (_is_int(data_offset) and data_offset >= 0):
         f.append("DATA_OFFSET is not a non-negative integer literal")
         data_offset = 0

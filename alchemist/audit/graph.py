@@ -137,6 +137,20 @@ def _rope_pairs(values: np.ndarray, n: int) -> np.ndarray:
     return values[source]
 
 
+def _mlx_reference(packed: np.ndarray, shape, bits: int, group: int, scales, biases) -> np.ndarray:
+    """MLX's affine dequantization element by element: value j of a row is bits [j·bits, (j+1)·bits) of the row's
+    bytes read as one little-endian integer; w = scale · q + bias of its group (float32)."""
+    rows, n = math.prod(shape[:-1]), shape[-1]
+    out = np.empty((rows, n), np.float32)
+    packed = packed.reshape(rows, -1)
+    for r in range(rows):
+        stream = int.from_bytes(packed[r].tobytes(), "little")
+        for j in range(n):
+            q = np.float32((stream >> (j * bits)) & ((1 << bits) - 1))
+            out[r, j] = q * scales[r, j // group] + biases[r, j // group]
+    return out.reshape(shape)
+
+
 def probe_snapshot_loader(module, tensors: dict) -> list[str]:
     """Run a snapshot module's load_weights on a synthetic directory (random values in two files, gaps between
     regions) and compare what it returns with gguf's decoding of the same bytes, after each tensor's transform."""
@@ -145,32 +159,56 @@ def probe_snapshot_loader(module, tensors: dict) -> list[str]:
 
     rng = np.random.default_rng(0)
     transforms = {name: tuple(entry[1]) for name, entry in module.TENSOR_FILES.items()}
-    blobs, table, placed, raw = [bytearray(), bytearray()], {}, {}, {}
+    mlx = getattr(module, "MLX_QUANTIZED", None)
+    blobs, table, placed, raw, quant = [bytearray(), bytearray()], {}, {}, {}, {}
     for k, (name, (gtype, shape, _, _)) in enumerate(tensors.items()):
         small = tuple(shape) if len(shape) == 1 or transforms.get(name) else (min(shape[0], 2),) + tuple(shape[1:])
+        file = k % 2
+        if gtype == "MLX_AFFINE":  # packed values in one file, their float32 scales and biases in the other
+            bits, group = mlx[name][:2]
+            rows, n = math.prod(small[:-1]), small[-1]
+            data = rng.integers(0, 256, rows * n * bits // 8, dtype=np.uint8)
+            parts = []
+            for _ in range(2):
+                values = rng.standard_normal(rows * (n // group)).astype(np.float32)
+                blobs[1 - file] += bytes(4 * int(rng.integers(0, 3)))
+                parts.append((1 - file, len(blobs[1 - file]), values.nbytes, "F32"))
+                blobs[1 - file] += values.tobytes()
+                raw[name, len(parts)] = values.reshape(rows, n // group)
+            quant[name] = (bits, group, *parts)
+            blobs[file] += bytes(4 * int(rng.integers(0, 3)))
+            table[name] = (gtype, small, len(blobs[file]), data.nbytes)
+            placed[name] = (file, transforms.get(name, ()))
+            raw[name] = data
+            blobs[file] += data.tobytes()
+            continue
         dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[gtype]
         data = rng.standard_normal(math.prod(small)).astype(np.float32)
         data = (data.view(np.uint32) >> 16).astype(np.uint16) if gtype == "BF16" else data.astype(dtype)
-        file = k % 2
         blobs[file] += bytes(8 * int(rng.integers(0, 3)))  # a gap before every region
         table[name] = (gtype, small, len(blobs[file]), data.nbytes)
         placed[name] = (file, transforms.get(name, ()))
         raw[name] = data.view(np.uint8)
         blobs[file] += raw[name].tobytes()
-    saved = {k: module.__dict__.get(k) for k in ("TENSORS", "SOURCE_FILES", "TENSOR_FILES")}
+    saved = {k: module.__dict__.get(k) for k in ("TENSORS", "SOURCE_FILES", "TENSOR_FILES", "MLX_QUANTIZED")}
     f: list[str] = []
     with tempfile.TemporaryDirectory(prefix="alchemist-audit-") as tmp:
         names = ("probe-1.safetensors", "probe-2.safetensors")
         for name, blob in zip(names, blobs):
             (Path(tmp) / name).write_bytes(bytes(blob))
         module.TENSORS, module.TENSOR_FILES = table, placed
+        if mlx is not None:
+            module.MLX_QUANTIZED = quant
         module.SOURCE_FILES = tuple((n, len(b)) for n, b in zip(names, blobs))
         try:
             got = module.load_weights(tmp)
             if not isinstance(got, dict) or set(got) != set(table):
                 return ["load_weights(directory) does not return exactly the TENSORS names"]
             for name, (gtype, small, _, _) in table.items():
-                want = dequantize(raw[name].reshape(small[:-1] + (-1,)), GGMLQuantizationType[gtype])
+                if gtype == "MLX_AFFINE":
+                    want = _mlx_reference(raw[name], small, *quant[name][:2], raw[name, 1], raw[name, 2])
+                else:
+                    want = dequantize(raw[name].reshape(small[:-1] + (-1,)), GGMLQuantizationType[gtype])
                 want = want.astype(np.float32).reshape(small)
                 if placed[name][1] == ("plus_one",):
                     want = want + np.float32(1.0)

@@ -613,10 +613,17 @@ def _snapshot_tables(ir: ModelIR) -> dict:
     """A snapshot's files (name, size) and each tensor's (file, transform); nothing for a GGUF file."""
     if not ir.source_files:
         return {}
-    return {
+    tables = {
         "SOURCE_FILES": tuple(tuple(f) for f in ir.source_files),
         "TENSOR_FILES": {t.name: (t.file, tuple(t.transform)) for t in ir.tensors},
     }
+    quantized = {t.name: _tuples(t.quant) for t in ir.tensors if t.quant}
+    return tables | ({"MLX_QUANTIZED": quantized} if quantized else {})
+
+
+def _tuples(value):
+    """Nested lists (as an IR read back from JSON has them) as the tuples the module's literals are."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def template_context(ir: ModelIR) -> dict:

@@ -195,6 +195,8 @@ class TensorInfo:
     nbytes: int
     file: int = 0  # a snapshot's: which of its files holds the tensor
     transform: tuple = ()  # a snapshot's: what the loader does to the values (alchemist.snapshot)
+    # a snapshot's MLX-quantized weight: (bits, group size, its scales and its biases as (file, offset, nbytes, type))
+    quant: tuple = ()
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -131,6 +131,45 @@ def _metadata(config: dict, family, where: str) -> dict:
     return meta
 
 
+def _mlx_quantized(config: dict, config_path, module: str, e, entries: dict, files) -> tuple[tuple, tuple]:
+    """(the dequantized shape, TensorInfo.quant) of MLX's quantized `module`: its packed uint32 `weight` (each row
+    its values' bits end to end, LSB first), `scales` and `biases` per group of `group_size` values of a row, with
+    the bits and group size config.json's `quantization` gives (for this module, or for all)."""
+    where = str(config_path)
+    q = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(q, dict):
+        raise SnapshotError(where, "quantization", f"{module} is quantized (it has .scales) but config.json says how")
+    own = q.get(module, q)
+    if own is False or not isinstance(own, dict):
+        raise SnapshotError(where, f"quantization.{module}", "says the module is not quantized, but it has .scales")
+    bits, group, mode = own.get("bits", q.get("bits")), own.get("group_size", q.get("group_size")), own.get("mode")
+    mode = mode or q.get("mode") or "affine"
+    if mode != "affine":
+        raise UnsupportedModelError(f"{where}: quantization.mode {mode!r} of {module} is not read yet (affine is)")
+    if not (isinstance(bits, int) and 1 <= bits <= 8 and isinstance(group, int) and group > 0):
+        raise SnapshotError(where, f"quantization ({module})", f"bits {bits!r} and group_size {group!r} are not valid")
+    weight_file = str(files[entries[module + ".weight"][0]])
+    if e.dtype != "U32" or len(e.shape) < 2 or (e.shape[-1] * 32) % bits:
+        raise SnapshotError(weight_file, f"tensor {module}.weight", f"is {e.dtype} {list(e.shape)}, not packed uint32")
+    n_in = e.shape[-1] * 32 // bits
+    if n_in % group:
+        raise SnapshotError(
+            weight_file, f"tensor {module}.weight", f"{n_in} values a row are no whole groups of {group}"
+        )
+    want = (*e.shape[:-1], n_in // group)
+    parts = []
+    for part in ("scales", "biases"):
+        if module + "." + part not in entries:
+            raise SnapshotError(weight_file, f"tensor {module}.{part}", "is missing (affine quantization has both)")
+        j, p = entries[module + "." + part]
+        if p.shape != want or p.dtype not in ("F32", "F16", "BF16"):
+            raise SnapshotError(
+                str(files[j]), f"tensor {module}.{part}", f"is {p.dtype} {list(p.shape)}, not {list(want)}"
+            )
+        parts.append((j, p.start, p.nbytes, p.dtype))
+    return (*e.shape[:-1], n_in), (bits, group, *parts)
+
+
 def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
     """The facts of the snapshot directory at `path` (SnapshotError / UnsupportedModelError name what is wrong)."""
     import gguf
@@ -159,29 +198,45 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
     heads = {"attn_q": metadata.get(f"{arch}.attention.head_count")}
     heads["attn_k"] = metadata.get(f"{arch}.attention.head_count_kv", heads["attn_q"])
     files = snapshot_files(root)
-    tensors: dict[str, TensorInfo] = {}
-    sources, unknown = [], []
+    entries, sources = {}, []  # Hugging Face name -> (file index, Entry)
     for i, file in enumerate(files):
         st = read_safetensors(file)
         sources.append((file.name, st.size))
         for hf_name, e in st.tensors.items():
-            mapped = hf_name
-            for old, new in family.snapshot.renames:
-                mapped = mapped.replace(old, new)
-            name = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
-            if name is None:
-                unknown.append(hf_name)
-                continue
-            if name in tensors:
-                raise SnapshotError(str(file), f"tensor {hf_name!r}", f"is {name}, which another tensor already is")
-            transform = ()
-            kind = name.split(".")[-2] if name.startswith("blk.") else ""
-            if family.snapshot.permute_qk and kind in heads:
-                transform = ("rope_pairs", int(heads[kind]))  # convert_hf_to_gguf's permute(W, n_head)
-            elif family.snapshot.norm_plus_one and name.endswith("norm.weight"):
-                transform = ("plus_one",)  # Gemma's x · (1 + w), stored as 1 + w in GGUF
-            ggml_type = DTYPES[e.dtype][0]
-            tensors[name] = TensorInfo(name, ggml_type, tuple(reversed(e.shape)), e.start, e.nbytes, i, transform)
+            if hf_name in entries:
+                raise SnapshotError(str(file), f"tensor {hf_name!r}", "is in two of the snapshot's files")
+            entries[hf_name] = (i, e)
+    quantized = {n.removesuffix(".scales") for n in entries if n.endswith(".scales")}
+    tensors: dict[str, TensorInfo] = {}
+    unknown = []
+    for hf_name, (i, e) in entries.items():
+        module = hf_name.rsplit(".", 1)[0]
+        if module in quantized and not hf_name.endswith(".weight"):
+            continue  # a quantized weight's scales and biases: read with it
+        mapped = hf_name
+        for old, new in family.snapshot.renames:
+            mapped = mapped.replace(old, new)
+        name = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            unknown.append(hf_name)
+            continue
+        if name in tensors:
+            raise SnapshotError(str(files[i]), f"tensor {hf_name!r}", f"is {name}, which another tensor already is")
+        transform = ()
+        kind = name.split(".")[-2] if name.startswith("blk.") else ""
+        if family.snapshot.permute_qk and kind in heads:
+            transform = ("rope_pairs", int(heads[kind]))  # convert_hf_to_gguf's permute(W, n_head)
+        elif family.snapshot.norm_plus_one and name.endswith("norm.weight"):
+            transform = ("plus_one",)  # Gemma's x · (1 + w), stored as 1 + w in GGUF
+        if module in quantized:
+            shape, quant = _mlx_quantized(config, config_path, module, e, entries, files)
+            tensors[name] = TensorInfo(
+                name, "MLX_AFFINE", tuple(reversed(shape)), e.start, e.nbytes, i, transform, quant
+            )
+            continue
+        if e.dtype == "U32":
+            raise SnapshotError(str(files[i]), f"tensor {hf_name!r}", "is uint32 (packed) but has no .scales beside it")
+        tensors[name] = TensorInfo(name, DTYPES[e.dtype][0], tuple(reversed(e.shape)), e.start, e.nbytes, i, transform)
     if unknown:
         shown = ", ".join(repr(n) for n in unknown[:8]) + (
             f" … and {len(unknown) - 8} more" if len(unknown) > 8 else ""

@@ -20,8 +20,8 @@ from alchemist.errors import GGUFError
 
 MAX_HEADER = 100_000_000  # the safetensors library's MAX_HEADER_SIZE
 # the dtypes alchemist reads, as the GGUF float type of the same bytes (little-endian)
-DTYPES = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2)}
-OTHER_DTYPES = {"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F64", "C64", "F8_E5M2", "F8_E4M3",
+DTYPES = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2), "U32": ("U32", 4)}  # U32: MLX's packed weights
+OTHER_DTYPES = {"BOOL", "U8", "I8", "I16", "U16", "I32", "I64", "U64", "F64", "C64", "F8_E5M2", "F8_E4M3",
                 "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}  # fmt: skip
 
 
@@ -50,7 +50,7 @@ class SafetensorsFile:
         """The tensor as stored (BF16 as its uint16 bits), a read-only view into the memory map."""
         e = self.tensors[name]
         data = buffer if buffer is not None else np.memmap(self.path, dtype=np.uint8, mode="r")
-        view = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[e.dtype]
+        view = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "U32": "<u4"}[e.dtype]
         return data[e.start : e.start + e.nbytes].view(view).reshape(e.shape)
 
 
