@@ -162,3 +162,37 @@ def mlx_quantized(snapshot, out_dir, bits: int = 4, group_size: int = 32, overri
     save_model(out, model)
     save_config(config, out / "config.json")
     return out
+
+
+# small configs of mlx-lm's own model classes (config.json as transformers writes it for these model types)
+MLX_CONFIGS = {
+    "llama": dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=320, rope_theta=10000.0,
+                  max_position_embeddings=256, tie_word_embeddings=False),
+    "qwen3": dict(model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, vocab_size=320,
+                  rope_theta=1000000.0, max_position_embeddings=256, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+def mlx_random_snapshot(model_type: str, out_dir, seed: int = 0) -> Path:
+    """A random-weight snapshot written by mlx-lm's own model class for `model_type` (no GGUF involved): the
+    weights as mlx-lm initializes them (norms at 1; embeddings and projections scaled up, for decisive logits)."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import save_config, save_model
+
+    config = MLX_CONFIGS[model_type]
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    params = [(k, v * 4.0 if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(out, model)
+    save_config(dict(config), out / "config.json")
+    return out

@@ -338,3 +338,19 @@ def test_an_mlx_quantized_snapshot_that_says_too_little_is_refused_by_key(tiny_g
         (q4 / "config.json").write_text(json.dumps({**config, **changed}))
         with pytest.raises(error, match=mention):
             build_model_ir(read_snapshot(q4))
+
+
+@pytest.mark.parametrize("model_type,quantize", [("llama", False), ("qwen3", False), ("qwen3", True)])
+def test_a_snapshot_mlx_lm_wrote_validates_against_it(tmp_path, model_type, quantize):
+    """A random-weight snapshot written by mlx-lm's own model class (no GGUF in the loop; its weights' names and
+    layout are mlx-lm's), and that snapshot quantized by mlx-lm: alchemist's module computes mlx-lm's logits."""
+    from alchemist.harness.validate import validate_model
+    from snapshot_fixture import mlx_quantized, mlx_random_snapshot
+
+    snap = mlx_random_snapshot(model_type, tmp_path / "snap")
+    if quantize:
+        snap = mlx_quantized(snap, tmp_path / "q4")
+    report = validate_model(str(snap), ["c"], n_generate=8, context=64, oracle="mlx-lm", progress=None)
+    result = report["backends"]["c"]
+    assert report["passed"] and result["greedy"]["n_agree"] == 8, result["failures"]
+    assert quantize or result["prompt"]["logits_nmse"] <= 1e-6

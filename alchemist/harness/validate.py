@@ -326,14 +326,19 @@ def engine_weights(engine) -> list:
 SNAPSHOT_PROMPT = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 500, 64, 9]  # ids: a snapshot's tokenizer is not read
 
 
-def prompt_ids_for(path: str, text: str | None) -> list[int]:
+def prompt_ids_for(path: str, text: str | None, n_vocab: int | None = None) -> list[int]:
+    """The prompt's ids by the model's own tokenizer; a snapshot without tokenizer.json: fixed ids (mod n_vocab)."""
     from alchemist.snapshot import is_snapshot
+    from alchemist.snapshot.tokenizer import load_snapshot_tokenizer
     from alchemist.tokenizer import load_tokenizer
 
     if is_snapshot(path):
+        tokenizer = load_snapshot_tokenizer(path)
+        if tokenizer is not None:
+            return tokenizer.encode(text or DEFAULT_PROMPT)
         if text is not None:
-            raise AlchemistError(f"{path}: a snapshot's tokenizer.json is not read yet; give token ids (--tokens)")
-        return list(SNAPSHOT_PROMPT)
+            raise AlchemistError(f"{path}: the snapshot has no tokenizer.json; give token ids (--tokens)")
+        return [i % (n_vocab or 1 << 30) for i in SNAPSHOT_PROMPT]
     return load_tokenizer(path).encode(text or DEFAULT_PROMPT)
 
 
@@ -396,7 +401,7 @@ def _validate_with_mlx_lm(path, backends, prompt, n_generate, context, progress)
     from alchemist.harness.mlx_oracle import MlxLmOracle
 
     loaded = load_for_validation(path, numerics="exact")
-    prompt = prompt if prompt is not None else prompt_ids_for(path, None)
+    prompt = prompt if prompt is not None else prompt_ids_for(path, None, loaded.ir.n_vocab)
     context = max(context, len(prompt) + n_generate + 1)
     report = {
         "model": loaded.ir.model_name,
