@@ -201,7 +201,7 @@ def test_a_failing_backend_is_listed_and_does_not_hide_the_types_that_pass():
         for b in ("c", "jax")
     ]
     line = architecture_markdown(rows).splitlines()[-1]
-    assert line == "| `gemma3n` | AltUp | c (fails: jax/F32, jax/Q8_0) | F32, Q8_0 |"
+    assert line == "| `gemma3n` | GGUF | AltUp | c (fails: jax/F32, jax/Q8_0) | F32, Q8_0 |"
     rows[1]["passed"] = False  # c fails on F32 too: F32 passes on no validated backend
     assert architecture_markdown(rows).splitlines()[-1].endswith("| none (fails: c/F32, jax/F32, jax/Q8_0) | none |")
 
@@ -215,7 +215,7 @@ def test_a_quantized_type_failing_everywhere_does_not_unlist_the_backends():
         for b in ("c", "numba")
     ]
     line = architecture_markdown(rows).splitlines()[-1]
-    assert line == "| `qwen3moe` | MoE | c, numba (fails: c/IQ4_NL, numba/IQ4_NL) | F32 |"
+    assert line == "| `qwen3moe` | GGUF, snapshot (qwen3_moe) | MoE | c, numba (fails: c/IQ4_NL, numba/IQ4_NL) | F32 |"
 
 
 def test_a_type_measured_on_some_backends_only_says_which():
@@ -226,7 +226,7 @@ def test_a_type_measured_on_some_backends_only_says_which():
         for t, backends in (("F32", ("c", "jax")), ("IQ2_XXS", ("c",)))
         for b in backends
     ]
-    assert architecture_markdown(rows).splitlines()[-1] == "| `llama` | tied output | c, jax | F32; IQ2_XXS (c) |"
+    assert architecture_markdown(rows).splitlines()[-1] == "| `llama` | GGUF, snapshot (llama, mistral) | tied output | c, jax | F32; IQ2_XXS (c) |"
 
 
 def test_a_fixture_that_cannot_be_written_in_a_type_is_a_row_that_says_why(tmp_path, monkeypatch):

@@ -248,10 +248,12 @@ def fixture_module_sha256(ir: ModelIR) -> str:
 
 def architecture_markdown(rows: list[dict]) -> str:
     """The architecture table (docs/architectures.md) from validate_families' rows (cases in their order)."""
+    from alchemist.arch import FAMILIES
+
     cases = [r["case"] for r in rows if "quirks" in r]
     lines = [
-        "| family (fixture) | what it adds over llama | validated backends | weight types |",
-        "| --- | --- | --- | --- |",
+        "| family (fixture) | input | what it adds over llama | validated backends | weight types |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for case in cases:
         results = [r for r in rows if r["case"] == case and "backend" in r]
@@ -284,8 +286,10 @@ def architecture_markdown(rows: list[dict]) -> str:
             for on, ts in sorted(groups.items(), key=lambda group: -len(group[0]))
         ]
         failed = [f"{r['backend']}/{r['weight_type']}" for r in results if not r["passed"]]
+        spec = FAMILIES[case.split(":")[0]].snapshot
+        source = "GGUF" + (f", snapshot ({', '.join(spec.model_types)})" if spec else "")
         lines.append(
-            f"| `{case}` | {', '.join(quirk)} | {', '.join(passed_backends) or 'none'}"
+            f"| `{case}` | {source} | {', '.join(quirk)} | {', '.join(passed_backends) or 'none'}"
             + (f" (fails: {', '.join(failed)})" if failed else "")
             + f" | {'; '.join(type_cells) or 'none'} |"
         )
