@@ -100,6 +100,8 @@ class TensorBinding:
     # a snapshot's MLX-quantized weight (ggml_type "MLX_AFFINE", shape the dequantized one, offset/nbytes its packed
     # uint32 values): (bits, group size, scales and biases as (file, offset, nbytes, type)); w = scale · q + bias
     quant: tuple = field(default=(), metadata=LATER)
+    # a snapshot's tensor stacked on a new first axis from several stored ones: each one's (file, offset, nbytes)
+    parts: tuple = field(default=(), metadata=LATER)
 
     @property
     def quantized(self) -> bool:

@@ -91,7 +91,8 @@ def write_tokenizer(facts, out: Path, chat_template: str | None = None) -> None:
 
 
 def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1, tokenizer: bool = False,
-                       chat_template: str | None = None) -> Path:  # fmt: skip
+                       chat_template: str | None = None, per_expert: bool = False) -> Path:  # fmt: skip
+    """per_expert: experts one tensor each (transformers' mlp.experts.N.*), not MLX's stacked switch_mlp."""
     facts = read_gguf(gguf_path)
     family = FAMILIES[facts.architecture]
     arch, spec = family.name, family.snapshot
@@ -128,6 +129,11 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1, 
             values = values - np.float32(1.0)
         stored = {"F32": values, "F16": values.astype(np.float16), "BF16": bf16_bits(values)}[dtype]
         hf_name = hf[base]
+        if per_expert and ".mlp.experts." in hf_name:  # transformers' form: one tensor per expert
+            prefix, kind = hf_name.rsplit(".mlp.experts.", 1)
+            for e in range(stored.shape[0]):
+                tensors[f"{prefix}.mlp.experts.{e}.{kind}.{suffix}"] = (dtype, np.ascontiguousarray(stored[e]))
+            continue
         for new, old in spec.renames:  # back to the stored form (MLX's switch_mlp)
             hf_name = hf_name.replace(old, new)
         tensors[f"{hf_name}.{suffix}"] = (dtype, stored)

@@ -210,24 +210,32 @@ def test_a_snapshot_passes_validation_against_mlx_lm(tiny_gguf, tmp_path, arch, 
     assert result["prompt"]["logits_nmse"] <= 1e-6 and result["greedy"]["n_agree"] == 8
 
 
-def test_a_mixture_of_experts_snapshot_in_mlx_form_and_what_llama_cpp_cannot_compute(tiny_gguf, tmp_path):
-    """qwen3moe's experts stacked as MLX stores them (mlp.switch_mlp.*) read as ffn_*_exps; a config asking for
-    what llama.cpp's qwen3moe does not compute (weights not renormalized) is refused by key; experts stored one
-    tensor each are named in the refusal."""
-    snap = snapshot_from_gguf(tiny_gguf("qwen3moe"), tmp_path / "snap")
+def test_a_mixture_of_experts_snapshot_in_either_form_and_what_llama_cpp_cannot_compute(tiny_gguf, tmp_path):
+    """qwen3moe's experts stacked as MLX stores them (mlp.switch_mlp.*), or one tensor each as transformers does
+    (mlp.experts.N.*, stacked by the loader from their places in the files): the same computation; a stack with a
+    missing expert is refused; a config asking for what llama.cpp's qwen3moe does not compute (weights not
+    renormalized) is refused by key."""
+    from alchemist.audit import audit_module
+    from alchemist.runtime.api import write_generated
+
+    stacked = build_model_ir(read_snapshot(snapshot_from_gguf(tiny_gguf("qwen3moe"), tmp_path / "mlx")))
+    snap = snapshot_from_gguf(tiny_gguf("qwen3moe"), tmp_path / "snap", shards=3, per_expert=True)
     ir = build_model_ir(read_snapshot(snap))
     assert ir.layers[0].mlp.up == "ffn_up_exps.weight" and ir.layers[0].mlp.router.n_expert == 8
+    assert ir.computation_hash() == stacked.computation_hash()
+    up = next(t for t in ir.tensors if t.name == "blk.0.ffn_up_exps.weight")
+    assert len(up.parts) == 8 and len({file for file, _, _ in up.parts}) > 1  # its experts in several files
+    assert audit_module(write_generated(ir, tmp_path / "gen"), gguf_path=snap, ir=ir).passed
     config = json.loads((snap / "config.json").read_text())
     (snap / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
     with pytest.raises(UnsupportedModelError, match="norm_topk_prob is False, not True: llama.cpp's qwen3moe always"):
         read_snapshot(snap)
     (snap / "config.json").write_text(json.dumps(config))
-    st = snap / "model.safetensors"
-    raw = st.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = raw[8 : 8 + n].replace(b"mlp.switch_mlp.up_proj", b"mlp.experts.00.up_proj")  # the same length
-    st.write_bytes(raw[:8] + header + raw[8 + n :])
-    with pytest.raises(UnsupportedModelError, match="experts one tensor each are not stacked yet"):
+    for st in snap.glob("*.safetensors"):
+        raw = st.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        st.write_bytes(raw[:8] + raw[8 : 8 + n].replace(b"experts.3.up_proj", b"experts.9.up_proj") + raw[8 + n :])
+    with pytest.raises(SnapshotError, match="lacks some of 0..7"):
         read_snapshot(snap)
 
 

@@ -327,7 +327,7 @@ def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int,
         )
     return TensorBinding(
         name, info.ggml_type, info.shape, info.offset, info.nbytes, spec.role, kernel,
-        file=info.file, transform=info.transform, quant=info.quant,
+        file=info.file, transform=info.transform, quant=info.quant, parts=info.parts,
     )  # fmt: skip
 
 

@@ -279,6 +279,9 @@ class SnapshotSpec:
     renames: tuple[tuple[str, str], ...] = ()
     # (config key, the only value llama.cpp's family computes, why): another value is refused
     requires: tuple[tuple[str, object, str], ...] = ()
+    # (pattern, name): tensors whose names match the pattern (its group "i": their index) stacked, in index order,
+    # into one tensor named by the replacement (transformers' experts, one tensor each)
+    stacks: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

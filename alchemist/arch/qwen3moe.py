@@ -27,6 +27,7 @@ FAMILY = Family(
         model_types=("qwen3_moe",),
         config=(("moe_intermediate_size", "expert_feed_forward_length"),),
         renames=((".mlp.switch_mlp.", ".mlp.experts."),),  # MLX's stacked experts
+        stacks=((r"\.mlp\.experts\.(?P<i>\d+)\.(?P<w>gate|up|down)_proj\.weight$", r".mlp.experts.\g<w>_proj.weight"),),
         requires=(
             ("norm_topk_prob", True, "llama.cpp's qwen3moe always renormalizes the chosen experts' weights"),
             ("decoder_sparse_step", 1, "llama.cpp's qwen3moe has experts in every layer"),

@@ -74,12 +74,13 @@ def ir_from_module(src) -> tuple[object | None, str | None]:
     if not isinstance(tensors, dict) or not isinstance(prov, dict) or not isinstance(data_offset, int):
         return None, "TENSORS, PROVENANCE or DATA_OFFSET is missing or not a literal"
     source, placed = src.constant("SOURCE_FILES"), src.constant("TENSOR_FILES") or {}
-    quant = src.constant("MLX_QUANTIZED") or {}
+    quant, stacked = src.constant("MLX_QUANTIZED") or {}, src.constant("TENSOR_PARTS") or {}
     try:
         infos = {
             name: TensorInfo(
-                name, ggml_type, tuple(reversed(shape)), offset, nbytes, *placed.get(name, (0, ())), quant.get(name, ())
-            )
+                name, ggml_type, tuple(reversed(shape)), offset, nbytes, *placed.get(name, (0, ())),
+                quant.get(name, ()), stacked.get(name, ()),
+            )  # fmt: skip
             for name, (ggml_type, shape, offset, nbytes) in tensors.items()
         }
         if source is not None:  # a snapshot: its metadata is already in GGUF keys

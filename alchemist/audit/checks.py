@@ -383,6 +383,20 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
     placed = {name: 0 for _, _, name in regions}
     if src.constant("SOURCE_FILES") is not None or src.constant("TENSOR_FILES") is not None:
         files, placed = _snapshot_files(src, tensors, f)  # a snapshot: each tensor in one of its files
+        for name, parts in (src.constant("TENSOR_PARTS") or {}).items():  # a stacked tensor: its parts' regions
+            whole = tensors.get(name)
+            ok = (
+                isinstance(parts, tuple)
+                and parts
+                and all(isinstance(p, tuple) and len(p) == 3 and all(_is_int(x) for x in p) for p in parts)
+            )
+            if not ok or not isinstance(whole, tuple) or sum(p[2] for p in parts) != whole[3]:
+                f.append(f"TENSOR_PARTS[{name!r}] is not parts (file, offset, nbytes) adding up to its TENSORS size")
+                continue
+            regions[:] = [r for r in regions if r[2] != name]
+            for k, (file, offset, nbytes) in enumerate(parts):
+                regions.append((offset, offset + nbytes, f"{name} (part {k})"))
+                placed[f"{name} (part {k})"] = file
         for name, quant in (src.constant("MLX_QUANTIZED") or {}).items():  # its scales and biases: regions too
             for i, part in enumerate(quant[2:] if isinstance(quant, tuple) else ()):
                 if isinstance(part, tuple) and len(part) == 4 and all(_is_int(x) for x in part[:3]):

@@ -160,6 +160,7 @@ def probe_snapshot_loader(module, tensors: dict) -> list[str]:
     rng = np.random.default_rng(0)
     transforms = {name: tuple(entry[1]) for name, entry in module.TENSOR_FILES.items()}
     mlx = getattr(module, "MLX_QUANTIZED", None)
+    stacked_names, stacked = set(getattr(module, "TENSOR_PARTS", None) or ()), {}
     blobs, table, placed, raw, quant = [bytearray(), bytearray()], {}, {}, {}, {}
     for k, (name, (gtype, shape, _, _)) in enumerate(tensors.items()):
         small = tuple(shape) if len(shape) == 1 or transforms.get(name) else (min(shape[0], 2),) + tuple(shape[1:])
@@ -185,12 +186,27 @@ def probe_snapshot_loader(module, tensors: dict) -> list[str]:
         dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[gtype]
         data = rng.standard_normal(math.prod(small)).astype(np.float32)
         data = (data.view(np.uint32) >> 16).astype(np.uint16) if gtype == "BF16" else data.astype(dtype)
+        if name in stacked_names and len(small) >= 2:  # its parts alternate between the files
+            part_bytes = data.nbytes // small[0]
+            parts = []
+            for j in range(small[0]):
+                f = (file + j) % 2
+                blobs[f] += bytes(4 * int(rng.integers(0, 3)))
+                parts.append((f, len(blobs[f]), part_bytes))
+                blobs[f] += data.view(np.uint8)[j * part_bytes : (j + 1) * part_bytes].tobytes()
+            stacked[name] = tuple(parts)
+            table[name] = (gtype, small, parts[0][1], data.nbytes)
+            placed[name] = (file, transforms.get(name, ()))
+            raw[name] = data.view(np.uint8)
+            continue
         blobs[file] += bytes(8 * int(rng.integers(0, 3)))  # a gap before every region
         table[name] = (gtype, small, len(blobs[file]), data.nbytes)
         placed[name] = (file, transforms.get(name, ()))
         raw[name] = data.view(np.uint8)
         blobs[file] += raw[name].tobytes()
-    saved = {k: module.__dict__.get(k) for k in ("TENSORS", "SOURCE_FILES", "TENSOR_FILES", "MLX_QUANTIZED")}
+    saved = {
+        k: module.__dict__.get(k) for k in ("TENSORS", "SOURCE_FILES", "TENSOR_FILES", "MLX_QUANTIZED", "TENSOR_PARTS")
+    }
     f: list[str] = []
     with tempfile.TemporaryDirectory(prefix="alchemist-audit-") as tmp:
         names = ("probe-1.safetensors", "probe-2.safetensors")
@@ -199,6 +215,8 @@ def probe_snapshot_loader(module, tensors: dict) -> list[str]:
         module.TENSORS, module.TENSOR_FILES = table, placed
         if mlx is not None:
             module.MLX_QUANTIZED = quant
+        if stacked_names:
+            module.TENSOR_PARTS = stacked
         module.SOURCE_FILES = tuple((n, len(b)) for n, b in zip(names, blobs))
         try:
             got = module.load_weights(tmp)

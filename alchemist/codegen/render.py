@@ -618,7 +618,8 @@ def _snapshot_tables(ir: ModelIR) -> dict:
         "TENSOR_FILES": {t.name: (t.file, tuple(t.transform)) for t in ir.tensors},
     }
     quantized = {t.name: _tuples(t.quant) for t in ir.tensors if t.quant}
-    return tables | ({"MLX_QUANTIZED": quantized} if quantized else {})
+    stacked = {t.name: _tuples(t.parts) for t in ir.tensors if t.parts}
+    return tables | ({"MLX_QUANTIZED": quantized} if quantized else {}) | ({"TENSOR_PARTS": stacked} if stacked else {})
 
 
 def _tuples(value):

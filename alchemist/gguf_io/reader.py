@@ -197,6 +197,8 @@ class TensorInfo:
     transform: tuple = ()  # a snapshot's: what the loader does to the values (alchemist.snapshot)
     # a snapshot's MLX-quantized weight: (bits, group size, its scales and its biases as (file, offset, nbytes, type))
     quant: tuple = ()
+    # a snapshot's tensor stacked from several (transformers' experts): each one's (file, offset, nbytes), in order
+    parts: tuple = ()
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from alchemist.errors import UnsupportedModelError
 from alchemist.gguf_io import TensorInfo
-from alchemist.snapshot.safetensors import DTYPES, SnapshotError, read_safetensors, snapshot_files
+from alchemist.snapshot.safetensors import DTYPES, Entry, SnapshotError, read_safetensors, snapshot_files
 
 # config.json key(s), first present wins -> GGUF key (convert_hf_to_gguf's TextModel.set_gguf_parameters)
 COMMON_CONFIG = (
@@ -131,6 +131,38 @@ def _metadata(config: dict, family, where: str) -> dict:
     return meta
 
 
+def _stacked(entries: dict, stacks, files, quantized) -> tuple[dict, dict]:
+    """entries with each family stack (SnapshotSpec.stacks) of tensors replaced by one entry of the stacked shape,
+    and {stacked name: ((file, offset, nbytes) of each part, in index order)}."""
+    groups: dict[str, dict[int, str]] = {}
+    for hf_name in entries:
+        for pattern, target in stacks:
+            m = re.search(pattern, hf_name)
+            if m:
+                groups.setdefault(hf_name[: m.start()] + m.expand(target), {})[int(m.group("i"))] = hf_name
+                break
+    out = {n: v for n, v in entries.items() if not any(n in g.values() for g in groups.values())}
+    parts = {}
+    for name, members in groups.items():
+        order = [members[k] for k in sorted(members)]
+        first_file, first = entries[order[0]]
+        where = str(files[first_file])
+        if sorted(members) != list(range(len(members))):
+            raise SnapshotError(where, f"tensor {order[0]!r}", f"its stack {name} lacks some of 0..{len(members) - 1}")
+        if any(n.rsplit(".", 1)[0] in quantized for n in order):
+            raise UnsupportedModelError(
+                f"{where}: {name}: quantized tensors stacked from one per expert are not read yet"
+            )
+        if any(entries[n][1].shape != first.shape or entries[n][1].dtype != first.dtype for n in order):
+            raise SnapshotError(
+                where, f"tensor {order[0]!r}", f"the tensors stacked into {name} differ in shape or type"
+            )
+        nbytes = sum(entries[n][1].nbytes for n in order)
+        out[name] = (first_file, Entry(first.dtype, (len(order), *first.shape), first.start, nbytes))
+        parts[name] = tuple((entries[n][0], entries[n][1].start, entries[n][1].nbytes) for n in order)
+    return out, parts
+
+
 def _mlx_quantized(config: dict, config_path, module: str, e, entries: dict, files) -> tuple[tuple, tuple]:
     """(the dequantized shape, TensorInfo.quant) of MLX's quantized `module`: its packed uint32 `weight` (each row
     its values' bits end to end, LSB first), `scales` and `biases` per group of `group_size` values of a row, with
@@ -207,6 +239,7 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
                 raise SnapshotError(str(file), f"tensor {hf_name!r}", "is in two of the snapshot's files")
             entries[hf_name] = (i, e)
     quantized = {n.removesuffix(".scales") for n in entries if n.endswith(".scales")}
+    entries, stacked = _stacked(entries, family.snapshot.stacks, files, quantized)
     tensors: dict[str, TensorInfo] = {}
     unknown = []
     for hf_name, (i, e) in entries.items():
@@ -236,12 +269,13 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
             continue
         if e.dtype == "U32":
             raise SnapshotError(str(files[i]), f"tensor {hf_name!r}", "is uint32 (packed) but has no .scales beside it")
-        tensors[name] = TensorInfo(name, DTYPES[e.dtype][0], tuple(reversed(e.shape)), e.start, e.nbytes, i, transform)
+        ne, parts = tuple(reversed(e.shape)), stacked.get(hf_name, ())
+        tensors[name] = TensorInfo(name, DTYPES[e.dtype][0], ne, e.start, e.nbytes, i, transform, (), parts)
     if unknown:
         shown = ", ".join(repr(n) for n in unknown[:8]) + (
             f" … and {len(unknown) - 8} more" if len(unknown) > 8 else ""
         )
-        per_expert = any(re.search(r"\.experts\.\d+\.", n) for n in unknown)
+        per_expert = not family.snapshot.stacks and any(re.search(r"\.experts\.\d+\.", n) for n in unknown)
         hint = (
             " (experts one tensor each are not stacked yet: MLX's stacked switch_mlp form is read)"
             if per_expert
