@@ -196,14 +196,17 @@ def test_the_audit_catches_a_snapshot_module_that_reads_wrong(tiny_gguf, tmp_pat
 
 
 @pytest.mark.parametrize(
-    "arch,backend", [("llama", "c"), ("qwen3", "c"), ("gemma3", "c"), ("qwen3moe", "c"), ("llama", "numba")]
-)
-def test_a_snapshot_passes_validation_against_mlx_lm(tiny_gguf, tmp_path, arch, backend):
-    """mlx-lm, a second and independent oracle (its own model classes over the snapshot, MLX on CPU): the logits at
-    every prompt position within the exact bar (NMSE <= 1e-6) and 8 greedy steps the same."""
+    "arch,backend,dtype",
+    [("llama", "c", "F32"), ("qwen3", "c", "F32"), ("gemma3", "c", "BF16"), ("qwen3moe", "c", "F32"),
+     ("llama", "numba", "F32"), ("gemma3", "mlx", "BF16"), ("qwen3", "jax", "F16")],
+)  # fmt: skip
+def test_a_snapshot_passes_validation_against_mlx_lm(tiny_gguf, tmp_path, arch, backend, dtype):
+    """mlx-lm, a second and independent oracle (its own model classes over the snapshot, MLX on CPU; half-precision
+    weights widened to float32 on both sides): the logits at every prompt position within the exact bar (NMSE <=
+    1e-6) and 8 greedy steps the same."""
     from alchemist.harness.validate import validate_model
 
-    snap = snapshot_from_gguf(tiny_gguf(arch), tmp_path / "snap", shards=2)
+    snap = snapshot_from_gguf(tiny_gguf(arch), tmp_path / "snap", shards=2, dtype=dtype)
     report = validate_model(str(snap), [backend], n_generate=8, context=64, oracle="mlx-lm", progress=None)
     result = report["backends"][backend]
     assert report["passed"] and report["oracle"] == "mlx-lm", result["failures"]
