@@ -358,49 +358,14 @@ def validate_model(
     the older spelling of "ggml"); an "exact" backend that fails gets an attribution (attribute_to_rounding).
     `oracle`: "llama.cpp" (a GGUF file), or "mlx-lm" (a snapshot directory: logits and greedy steps, exact
     numerics, no named intermediates)."""
+    from alchemist.harness.mlx_oracle import MlxLmOracle
     from alchemist.harness.oracle import LlamaCppOracle
 
     if oracle not in ("llama.cpp", "mlx-lm"):
         raise AlchemistError(f"unknown oracle {oracle!r} (llama.cpp or mlx-lm)")
-    if oracle == "mlx-lm":
-        return _validate_with_mlx_lm(path, backends, prompt, n_generate, context, progress)
-    numerics = resolve_numerics(numerics, llamacpp_rounding)
+    mlx = oracle == "mlx-lm"
+    numerics = "exact" if mlx else resolve_numerics(numerics, llamacpp_rounding)  # mlx-lm rounds no activations
     loaded = load_for_validation(path, numerics=numerics)
-    prompt = prompt if prompt is not None else prompt_ids_for(path, None)
-    context = max(context, len(prompt) + n_generate + 1)
-    report = {
-        "model": loaded.ir.model_name,
-        "source_file": loaded.ir.source_file,
-        "source_sha256": loaded.ir.source_sha256,
-        "architecture": loaded.ir.architecture,
-        "weight_types": sorted({t.ggml_type for t in loaded.ir.tensors}),
-        "thresholds": THRESHOLDS,
-        "numerics": numerics,
-        "arithmetic": arithmetic(numerics),
-        "prompt_token_ids": prompt,
-        "backends": {},
-    }
-    if progress:
-        progress(report["arithmetic"]["note"])
-    with LlamaCppOracle(path, n_ctx=context, n_threads=n_threads) as oracle:
-        for backend in backends:
-            res = validate_backend(loaded, backend, oracle, prompt, n_generate, context)
-            report["backends"][backend] = res
-            if progress:
-                progress(f"{backend}: {'PASS' if res['passed'] else 'FAIL'} " + "; ".join(res["failures"]))
-            if numerics == "exact" and not res["passed"]:
-                res["attribution"] = attribute_to_rounding(path, backend, oracle, prompt, n_generate, context)
-                if progress:
-                    progress(f"{backend}: " + attribution_text(res["attribution"]))
-    report["passed"] = all(r["passed"] for r in report["backends"].values())
-    return report
-
-
-def _validate_with_mlx_lm(path, backends, prompt, n_generate, context, progress) -> dict:
-    """validate_model against mlx-lm's own model classes: exact numerics (mlx-lm rounds no activations)."""
-    from alchemist.harness.mlx_oracle import MlxLmOracle
-
-    loaded = load_for_validation(path, numerics="exact")
     prompt = prompt if prompt is not None else prompt_ids_for(path, None, loaded.ir.n_vocab)
     context = max(context, len(prompt) + n_generate + 1)
     report = {
@@ -410,20 +375,29 @@ def _validate_with_mlx_lm(path, backends, prompt, n_generate, context, progress)
         "architecture": loaded.ir.architecture,
         "weight_types": sorted({t.ggml_type for t in loaded.ir.tensors}),
         "thresholds": THRESHOLDS,
-        "numerics": "exact",
-        "oracle": "mlx-lm",
-        "arithmetic": {"note": "oracle: mlx-lm's model classes on MLX's CPU backend, weights widened to float32"},
+        "numerics": numerics,
+        "oracle": oracle,
+        "arithmetic": (
+            {"note": "oracle: mlx-lm's model classes on MLX's CPU backend, weights widened to float32"}
+            if mlx
+            else arithmetic(numerics)
+        ),
         "prompt_token_ids": prompt,
         "backends": {},
     }
     if progress:
         progress(report["arithmetic"]["note"])
-    with MlxLmOracle(path) as oracle:
+    with MlxLmOracle(path) if mlx else LlamaCppOracle(path, n_ctx=context, n_threads=n_threads) as reference:
         for backend in backends:
-            res = validate_backend(loaded, backend, oracle, prompt, n_generate, context, layers=False)
+            # mlx-lm names no intermediates: its logits and greedy steps are compared
+            res = validate_backend(loaded, backend, reference, prompt, n_generate, context, layers=not mlx)
             report["backends"][backend] = res
             if progress:
                 progress(f"{backend}: {'PASS' if res['passed'] else 'FAIL'} " + "; ".join(res["failures"]))
+            if numerics == "exact" and not mlx and not res["passed"]:
+                res["attribution"] = attribute_to_rounding(path, backend, reference, prompt, n_generate, context)
+                if progress:
+                    progress(f"{backend}: " + attribution_text(res["attribution"]))
     report["passed"] = all(r["passed"] for r in report["backends"].values())
     return report
 

@@ -9,11 +9,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from alchemist.errors import AlchemistError
 from alchemist.snapshot.safetensors import SnapshotError
-from alchemist.tokenizer.tokenizer import StreamDecoder, _byte_level_decode
+from alchemist.tokenizer.tokenizer import StreamDecoder, Tokenizer, _byte_level_decode
 
 MAX_JSON_BYTES = 64 << 20  # a tokenizer.json of a 262k vocabulary is ~35 MB
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -183,17 +183,9 @@ class SnapshotTokenizer:
     def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs):
-        """tokenizer_config.json's chat template, rendered in alchemist's sandbox (alchemist.tokenizer.chat)."""
-        from alchemist.tokenizer.chat import render_chat
-
-        return render_chat(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
-
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        """Render and tokenize a chat prompt; BOS is not added twice when the template already writes it."""
-        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        bos = self._tokens[self.bos_id] if self.bos_id is not None else None
-        return self.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)), parse_special=True)
+    # the chat template renders and tokenizes as a GGUF's does (alchemist's sandbox; BOS not added twice)
+    apply_chat_template = Tokenizer.apply_chat_template
+    encode_chat = Tokenizer.encode_chat
 
     def __repr__(self) -> str:
         return f"<SnapshotTokenizer n_vocab={len(self._tokens)} from {self.vocab.path}>"

@@ -467,7 +467,7 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs):
-        """Render the GGUF's chat template (sandboxed, time- and size-bounded); see `alchemist.tokenizer.chat`."""
+        """Render the model's chat template (sandboxed, time- and size-bounded); see `alchemist.tokenizer.chat`."""
         from alchemist.tokenizer.chat import render_chat
 
         return render_chat(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
