@@ -181,9 +181,7 @@ def cache_step(cache, rows, positions, attend_len, slots=None):
     n_keys = min(attend_len, ring) if isinstance(attend_len, int) else pt.minimum(attend_len, ring)
     # the position row r holds: the latest p <= the sequence's last with p = r (mod ROWS); + ring: no negative %
     last = positions[:, -1:]
-    # one sequence (a decode of one, a prefill chunk): its slot as a view; several: gathered (a copy)
-    seen = cache[slots[0], :n_keys][None] if n_seq == 1 else cache[:, :n_keys][slots]
-    return cache, seen, last - (last - pt.arange(n_keys, dtype="int64") + ring) % ring, positions
+    return cache, cache[:, :n_keys][slots], last - (last - pt.arange(n_keys, dtype="int64") + ring) % ring, positions
 
 
 def attention(ops, w, il: int, x, positions, attend_len, k_cache, v_cache, taps, slots=None):
