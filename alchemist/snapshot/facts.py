@@ -141,7 +141,8 @@ def _stacked(entries: dict, stacks, files, quantized) -> tuple[dict, dict]:
             if m:
                 groups.setdefault(hf_name[: m.start()] + m.expand(target), {})[int(m.group("i"))] = hf_name
                 break
-    out = {n: v for n, v in entries.items() if not any(n in g.values() for g in groups.values())}
+    members = {n for g in groups.values() for n in g.values()}  # one set: a stack of experts per layer is many names
+    out = {n: v for n, v in entries.items() if n not in members}
     parts = {}
     for name, members in groups.items():
         order = [members[k] for k in sorted(members)]
