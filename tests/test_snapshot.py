@@ -196,6 +196,36 @@ def test_the_audit_catches_a_snapshot_module_that_reads_wrong(tiny_gguf, tmp_pat
 
 
 @pytest.mark.parametrize(
+    "mutation",
+    [
+        ('w[name + ".scales"], w[name + ".biases"], bits', 'w[name + ".biases"], w[name + ".scales"], bits'),
+        (
+            "files[scales[0]][scales[1] : scales[1] + scales[2]], scales[3]",
+            "files[biases[0]][biases[1] : biases[1] + biases[2]], biases[3]",
+        ),
+        ("return {key: transformed(values, transform)", "return {key: values"),
+    ],
+    ids=["scales and biases swapped in the graph", "biases read as scales", "packed rows left unpermuted"],
+)
+def test_the_audit_catches_a_packed_module_that_reads_wrong(tiny_gguf, tmp_path, mutation):
+    """An MLX-quantized module whose projections stay packed: its graph must hand each MlxAffineMatmul the weight's
+    own packed rows, scales and biases, and load_weights(quantized=True) must return them as stored."""
+    from alchemist.audit import audit_module
+    from alchemist.runtime.api import write_generated
+    from snapshot_fixture import mlx_quantized
+
+    q4 = mlx_quantized(snapshot_from_gguf(tiny_gguf("llama"), tmp_path / "snap"), tmp_path / "q4")
+    ir = build_model_ir(read_snapshot(q4))
+    path = write_generated(ir, tmp_path / "gen")
+    assert audit_module(path, gguf_path=q4, ir=ir).passed
+    text = path.read_text()
+    assert text.count(mutation[0]) == 1
+    path.write_text(text.replace(mutation[0], mutation[1]))
+    report = audit_module(path, ir=ir)
+    assert "dequantization" in {c.name for c in report.checks if not c.passed}, [(c.name, c.why) for c in report.checks]
+
+
+@pytest.mark.parametrize(
     "arch,backend,dtype",
     [("llama", "c", "F32"), ("qwen3", "c", "F32"), ("gemma3", "c", "BF16"), ("qwen3moe", "c", "F32"),
      ("llama", "numba", "F32"), ("gemma3", "mlx", "BF16"), ("qwen3", "jax", "F16")],
@@ -330,9 +360,41 @@ def test_an_mlx_quantized_snapshot_reads_as_mlx_dequantizes_and_validates(tiny_g
         np.testing.assert_array_equal(ours[info.name], want)
         compared += 1
     assert compared >= 4 * ir.n_layer
-    report = validate_model(str(q4), ["c"], n_generate=8, context=64, oracle="mlx-lm", progress=None)
-    result = report["backends"]["c"]
-    assert report["passed"] and not result["exact_weights"] and result["greedy"]["n_agree"] == 8, result["failures"]
+    # the projections packed through alchemist's kernels (the packed weights, not their float32 dequantization)
+    report = validate_model(str(q4), ["c", "numba"], n_generate=8, context=64, oracle="mlx-lm", progress=None)
+    for backend, result in report["backends"].items():
+        assert result["passed"] and result["greedy"]["n_agree"] == 8, (backend, result["failures"])
+        assert result["quantized_kernels"] and not result["exact_weights"], backend
+    packed = import_generated(path).load_weights(str(q4), quantized=True)
+    assert {name for name, v in packed.items() if v.dtype == np.uint32} == {
+        t.name for t in ir.tensors if t.kernel
+    } and len(packed) == len(ours) + 2 * sum(t.kernel for t in ir.tensors)  # fmt: skip
+
+
+def test_load_llm_on_mlx_multiplies_an_mlx_snapshot_with_mlx_quantized_matmul(tiny_gguf, tmp_path, monkeypatch):
+    """As the seed did: load_llm(4-bit MLX snapshot, backend="mlx") keeps the projections packed and MLX multiplies
+    them with its own mx.quantized_matmul; against mlx-lm the logits hold the quantized bar and 8 greedy steps
+    agree."""
+    import mlx.core as mx
+
+    from alchemist.harness.validate import engine_weights, validate_model
+    from snapshot_fixture import mlx_quantized
+
+    q4 = mlx_quantized(snapshot_from_gguf(tiny_gguf("qwen3"), tmp_path / "snap"), tmp_path / "q4")
+    calls, real = [], mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(k) or real(*a, **k))
+    model = load_llm(q4, backend="mlx", context=64, generated_dir=tmp_path / "gen", progress=False)
+    assert model.weights == "quantized"
+    kernel = sum(t.kernel for t in model.ir.tensors)  # every projection: 7 a layer and the output
+    assert (
+        kernel == 7 * model.ir.n_layer + 1
+        and sum(str(v.dtype) == "mlx.core.uint32" for v in engine_weights(model.engine)) == kernel
+    )
+    model.engine.run([1, 2, 3], 0)
+    assert calls and {k["bits"] for k in calls} == {4}
+    report = validate_model(str(q4), ["mlx"], n_generate=8, context=64, oracle="mlx-lm", progress=None)
+    result = report["backends"]["mlx"]
+    assert report["passed"] and result["quantized_kernels"] and result["greedy"]["n_agree"] == 8, result["failures"]
 
 
 def test_an_mlx_quantized_snapshot_that_says_too_little_is_refused_by_key(tiny_gguf, tmp_path):

@@ -42,7 +42,7 @@ from alchemist.kernels.formats import NOT_IN_GGUF_PY
 from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # weights loaded as float32 (every quantized one is a kernel type)
-SNAPSHOT_TYPES = ("MLX_AFFINE",)  # a snapshot's MLX-quantized weights, dequantized to float32 by the loader
+SNAPSHOT_TYPES = ("MLX_AFFINE",)  # a snapshot's MLX-quantized weights: projections packed, the rest float32
 
 EPS_KEYS = {NormKind.RMS: "attention.layer_norm_rms_epsilon", NormKind.LAYER: "attention.layer_norm_epsilon"}
 
@@ -317,9 +317,11 @@ def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int,
             f"{facts.path}: tensor {name!r} is {info.ggml_type}, a type alchemist can neither multiply in its blocks "
             f"nor dequantize (weights: {', '.join(FLOAT_TYPES + KERNEL_TYPES)})"
         )
-    kernel = info.ggml_type in KERNEL_TYPES and (
+    gguf_kernel = info.ggml_type in KERNEL_TYPES and (
         spec.role in ("linear", "embedding") and len(info.shape) == 2 or spec.role == "experts" and len(info.shape) == 3
     )
+    mlx_kernel = info.ggml_type == "MLX_AFFINE" and spec.role == "linear" and len(info.shape) == 2  # kernels.mlx_affine
+    kernel = gguf_kernel or mlx_kernel
     if not kernel and info.ggml_type in NOT_IN_GGUF_PY:  # the module's loader dequantizes it with gguf-py
         raise UnsupportedModelError(
             f"{facts.path}: tensor {name!r} is {info.ggml_type}, which alchemist multiplies only as a projection, "

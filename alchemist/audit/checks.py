@@ -421,6 +421,11 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
         entry = tensors.get(n)
         if not (isinstance(entry, tuple) and len(entry) == 4):
             f.append(f"KERNEL_WEIGHTS names {n!r}, which is not in TENSORS")
+        elif entry[0] == "MLX_AFFINE":  # a snapshot's projection, packed (alchemist.kernels.mlx_affine)
+            if len(entry[1]) != 2 or n not in (src.constant("MLX_QUANTIZED") or {}):
+                f.append(
+                    f"KERNEL_WEIGHTS names {n!r}, an MLX_AFFINE {entry[1]} tensor that is not a matrix in MLX_QUANTIZED"
+                )
         elif entry[0] not in SUPPORTED_TYPES or len(entry[1]) not in (2, 3):  # matrices, or stacked experts
             f.append(f"KERNEL_WEIGHTS names {n!r}, a {entry[0]} {entry[1]} tensor the kernels cannot read")
 

@@ -83,7 +83,14 @@ def build_forward(
 
     b = Build(quantized, numerics)
     for name, (gtype, shape, _, nbytes) in tensors.items():
-        if quantized and name in kernel:  # (n_out, row bytes), or (n_expert, n_out, row bytes)
+        if quantized and name in kernel and gtype == "MLX_AFFINE":  # packed rows, their groups' scales and biases
+            bits, group = module.MLX_QUANTIZED[name][:2]
+            b.weights[name] = pt.tensor(name, dtype="uint32", shape=(shape[0], shape[1] * bits // 32))
+            for part in ("scales", "biases"):
+                b.weights[f"{name}.{part}"] = pt.tensor(
+                    f"{name}.{part}", dtype="float32", shape=(shape[0], shape[1] // group)
+                )
+        elif quantized and name in kernel:  # (n_out, row bytes), or (n_expert, n_out, row bytes)
             rows = math.prod(shape[:-1])
             b.weights[name] = pt.tensor(name, dtype="uint8", shape=(*shape[:-1], nbytes // rows))
         else:
@@ -151,9 +158,10 @@ def _mlx_reference(packed: np.ndarray, shape, bits: int, group: int, scales, bia
     return out.reshape(shape)
 
 
-def probe_snapshot_loader(module, tensors: dict) -> list[str]:
+def probe_snapshot_loader(module, tensors: dict, kernel: set) -> list[str]:
     """Run a snapshot module's load_weights on a synthetic directory (random values in two files, gaps between
-    regions) and compare what it returns with gguf's decoding of the same bytes, after each tensor's transform."""
+    regions) and compare what it returns with gguf's decoding of the same bytes, after each tensor's transform;
+    with quantized=True, the MLX-quantized KERNEL_WEIGHTS as their packed rows, scales and biases."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -222,6 +230,7 @@ def probe_snapshot_loader(module, tensors: dict) -> list[str]:
             got = module.load_weights(tmp)
             if not isinstance(got, dict) or set(got) != set(table):
                 return ["load_weights(directory) does not return exactly the TENSORS names"]
+            f += _probe_packed(module, tmp, table, kernel, placed, raw, quant, got)
             for name, (gtype, small, _, _) in table.items():
                 if gtype == "MLX_AFFINE":
                     want = _mlx_reference(raw[name], small, *quant[name][:2], raw[name, 1], raw[name, 2])
@@ -240,6 +249,34 @@ def probe_snapshot_loader(module, tensors: dict) -> list[str]:
             f.append(f"load_weights(directory) raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         finally:
             module.__dict__.update(saved)
+    return f
+
+
+def _probe_packed(module, directory, table, kernel, placed, raw, quant, dequantized) -> list[str]:
+    """load_weights(directory, quantized=True): each MLX-quantized kernel weight as (name: its packed uint32 rows,
+    name.scales, name.biases: float32), rows in its transform's order; every other entry as without quantized."""
+    packed = {n for n in kernel if table.get(n, ("",))[0] == "MLX_AFFINE"}
+    if not packed:
+        return []
+    call = "load_weights(directory, quantized=True)"
+    got = module.load_weights(directory, quantized=True)
+    want_names = set(table) | {f"{n}.{part}" for n in packed for part in ("scales", "biases")}
+    if not isinstance(got, dict) or set(got) != want_names:
+        return [f"{call} does not return the TENSORS names and each packed weight's .scales and .biases"]
+    f = []
+    for name in table:
+        wants = {name: dequantized[name]}
+        if name in packed:
+            rows = table[name][1][0]
+            wants = {name: raw[name].view(np.uint32).reshape(rows, -1), f"{name}.scales": raw[name, 1],
+                     f"{name}.biases": raw[name, 2]}  # fmt: skip
+            if placed[name][1]:
+                wants = {k: _rope_pairs(v, placed[name][1][1]) for k, v in wants.items()}
+        for key, want in wants.items():
+            value = np.asarray(got[key])
+            if not (value.dtype == want.dtype and value.shape == want.shape and _same(value, want)):
+                f.append(f"{call}[{key!r}] is not {'its stored values' if name in packed else 'as without quantized'}"
+                         f" ({value.dtype}{list(value.shape)})")  # fmt: skip
     return f
 
 
@@ -308,11 +345,26 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 def kernel_findings(b: Build, tensors: dict, kernel: set, roles: dict) -> tuple[list[str], int]:
     """Every uint8 weight of a quantized build is only the blocks of a kernel Op of its type and stored shape."""
-    from alchemist.kernels import QuantizedEmbedding, QuantizedExpertMatmul, QuantizedMatmul
+    from alchemist.kernels import MlxAffineMatmul, QuantizedEmbedding, QuantizedExpertMatmul, QuantizedMatmul
 
     f, n = [], 0
     for name in sorted(kernel):
         gtype, shape = tensors[name][0], tuple(tensors[name][1])
+        if gtype == "MLX_AFFINE":  # its packed rows, scales and biases: inputs 1, 2, 3 of one MlxAffineMatmul each
+            parts = [b.weights[name], b.weights[f"{name}.scales"], b.weights[f"{name}.biases"]]
+            users = [{node for node, i in b.clients.get(v, []) if isinstance(node.op, MlxAffineMatmul) and i == k + 1}
+                     for k, v in enumerate(parts)]  # fmt: skip
+            others = [(node.op, i) for v in parts for node, i in b.clients.get(v, [])
+                      if not (isinstance(node.op, MlxAffineMatmul) and node.inputs[1:] == parts)]  # fmt: skip
+            for op, i in others:
+                f.append(
+                    f"the packed {name} (MLX_AFFINE) reaches {op} (input {i}), not an MlxAffineMatmul of its parts"
+                )
+            for node in users[0]:
+                n += 1
+                if (node.op.n_out, node.op.n_in) != shape:
+                    f.append(f"{name} is MLX_AFFINE {shape} but reaches {node.op}")
+            continue
         for node, i in b.clients.get(b.weights[name], []):
             op = node.op
             if isinstance(op, QuantizedMatmul) and i == 1:
@@ -392,6 +444,8 @@ def orientation_findings(b: Build, tensors: dict, roles: dict) -> tuple[list[str
 
     f, n = [], 0
     for name, var in b.weights.items():
+        if name not in tensors:  # an MLX-packed weight's scales or biases: checked with it (dequantization)
+            continue
         role = roles.get(name)
         if var.dtype == "float32" and role == "experts" and var.ndim == 3:
             found, uses = expert_orientation(b, name, var, tensors[name][1])
@@ -870,7 +924,7 @@ def graph_audit(ctx: Context) -> GraphAudit:
         g.error = f"importing the module raised {type(e).__name__}: {e}"
         return g
     snapshot = getattr(module, "TENSOR_FILES", None) is not None
-    g.loader = probe_snapshot_loader(module, tensors) if snapshot else probe_loader(module, tensors, kernel)
+    g.loader = probe_snapshot_loader(module, tensors, kernel) if snapshot else probe_loader(module, tensors, kernel)
     if ctx.ir is not None:
         g.roles = {t.name: t.role for t in ctx.ir.tensors}
         g.unread = {t.name for t in ctx.ir.tensors if not t.read}

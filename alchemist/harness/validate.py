@@ -25,7 +25,7 @@ import numpy as np
 from alchemist.errors import AlchemistError
 from alchemist.harness.metrics import compare_logits, first_divergence, greedy_agreement, nmse
 from alchemist.harness.oracle_build import arithmetic
-from alchemist.runtime.backends import uses_quantized_kernels
+from alchemist.runtime.backends import mlx_packed, uses_quantized_kernels
 from alchemist.runtime.numerics import resolve_numerics
 
 THRESHOLDS = {
@@ -63,7 +63,10 @@ class LoadedForValidation:
     def weights_for(self, backend: str, quantized: bool | None = None) -> dict:
         """The weights as `backend` runs them with this module's numerics: GGUF blocks where kernels multiply them
         (C, Numba; JAX and MLX with numerics="ggml"), else float32 (quantized=False forces float32 weights)."""
-        quantized = uses_quantized_kernels(backend, numerics=self.numerics) and quantized is not False
+        packed = mlx_packed(self.ir)
+        quantized = (
+            uses_quantized_kernels(backend, numerics=self.numerics, mlx_packed=packed) and quantized is not False
+        )
         if quantized not in self._weights:
             self._weights[quantized] = self.module.load_weights(self.path, quantized=quantized)
         return self._weights[quantized]
@@ -187,7 +190,10 @@ def validate_backend(
         "backend": backend,
         "numerics": loaded.numerics,
         "exact_weights": exact,
-        "quantized_kernels": any(v.dtype == np.uint8 for v in engine_weights(engine)),
+        # GGUF blocks (uint8) or MLX-packed rows (uint32), as numpy, JAX or MLX arrays
+        "quantized_kernels": any(
+            str(v.dtype).rsplit(".", 1)[-1] in ("uint8", "uint32") for v in engine_weights(engine)
+        ),
         "prompt_tokens": len(prompt),
         "prompt": {**metrics.summary(), "logits_nmse": logits_nmse},
         "positions": {"prompt": per_position(metrics)},

@@ -60,6 +60,7 @@ import numpy as np
 
 from alchemist.kernels.formats import BLOCK_SIZES, SUPPORTED_TYPES, block_size, dequantize_rows, row_bytes
 from alchemist.kernels.gelu import gelu_table
+from alchemist.kernels.mlx_affine import MlxAffineMatmul, mlx_affine_linear
 from alchemist.kernels.primitives import Primitives
 from alchemist.kernels.op import (
     QuantizedEmbedding,
@@ -71,6 +72,7 @@ from alchemist.kernels.op import (
 
 __all__ = [
     "BLOCK_SIZES",
+    "MlxAffineMatmul",
     "Primitives",
     "SUPPORTED_TYPES",
     "QuantizedEmbedding",
@@ -82,6 +84,7 @@ __all__ = [
     "dequantize_rows",
     "dequantize_then_dot",
     "gelu_table",
+    "mlx_affine_linear",
     "quantized_embedding",
     "quantized_expert_linear",
     "quantized_linear",
@@ -138,6 +141,7 @@ def register_numba() -> None:
     """Register the Numba kernels now (otherwise done on the first compile in a mode with the "numba" tag)."""
     from alchemist.kernels.numba_experts import register_numba as _register_experts
     from alchemist.kernels.numba_kernels import register_numba as _register
+    from alchemist.kernels.mlx_affine import register_numba as _register_mlx_affine
     from alchemist.kernels.numba_ops import register_numba as _register_ops
     from alchemist.kernels.rms_norm import register_numba as _register_rms_norm
 
@@ -145,6 +149,7 @@ def register_numba() -> None:
     _register_experts()
     _register_rms_norm()
     _register_ops()
+    _register_mlx_affine()
 
 
 def _install_lazy_numba_registration() -> None:
@@ -173,7 +178,7 @@ def _install_lazy_numba_registration() -> None:
             from alchemist.kernels.silu import SiluGgml
 
             kernel_ops = (QuantizedMatmul, QuantizedEmbedding, QuantizedExpertMatmul, RmsNormGgml, CausalAttentionGgml,
-                          RopeCacheGgml, RopeGgml, SiluGgml, GeluTable)  # fmt: skip
+                          RopeCacheGgml, RopeGgml, SiluGgml, GeluTable, MlxAffineMatmul)  # fmt: skip
             if any(isinstance(node.op, kernel_ops) for node in fgraph.apply_nodes):
                 register_numba()
 

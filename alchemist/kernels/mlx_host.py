@@ -96,6 +96,7 @@ def register() -> None:
 
     from alchemist.kernels.attention import CausalAttentionGgml
     from alchemist.kernels.gelu import GeluTable
+    from alchemist.kernels.mlx_affine import MlxAffineMatmul
     from alchemist.kernels.native import TYPE_INDEX
     from alchemist.kernels.op import QuantizedMatmul
     from alchemist.kernels.rms_norm import RmsNormGgml
@@ -224,6 +225,13 @@ def register() -> None:
             return mx.array(y)
 
         return gelu_table
+
+    @mlx_funcify.register(MlxAffineMatmul)
+    def mlx_funcify_MlxAffineMatmul(op, node=None, **kwargs):
+        def mlx_affine_matmul(x, w, scales, biases):  # MLX's own kernel for its own format
+            return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=op.group, bits=op.bits)
+
+        return mlx_affine_matmul
 
     _done.append(True)
 

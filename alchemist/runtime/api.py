@@ -20,7 +20,7 @@ from alchemist.errors import AlchemistError
 from alchemist.reading import read_model
 from alchemist.ir import ModelIR
 from alchemist.paths import cache_subdir
-from alchemist.runtime.backends import blas_info, check_weights, require_backend
+from alchemist.runtime.backends import blas_info, check_weights, mlx_packed, require_backend
 from alchemist.runtime.numerics import DEFAULT as DEFAULT_NUMERICS
 from alchemist.runtime.numerics import check_numerics
 from alchemist.runtime.sampling import Sampler, SamplingParams
@@ -198,11 +198,12 @@ def load_llm(
 
     require_backend(backend)
     check_numerics(numerics)
-    weights_format = check_weights(weights, backend, numerics)
+    check_weights(weights, backend, numerics)
     t0 = time.perf_counter()
     path = resolve_model(path)  # a file, a snapshot directory, or a reference model's name ("gemma-3-270m")
     facts = read_model(path)
     ir = build_model_ir(facts)
+    weights_format = check_weights(weights, backend, numerics, mlx_packed(ir))
     module_path = write_generated(ir, generated_dir or generated_cache_dir())
     require_passing_audit(module_path, ir)  # an AuditError naming the failed checks instead of importing it
     module = import_generated(module_path)

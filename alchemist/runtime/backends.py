@@ -85,13 +85,15 @@ KERNEL_BACKENDS = ("c", "numba")
 WEIGHT_FORMATS = ("quantized", "float32")
 
 
-def default_weights(name: str, numerics: str = "exact") -> str:
+def default_weights(name: str, numerics: str = "exact", mlx_packed: bool = False) -> str:
     """The weight format a backend gets unless asked: "quantized" where kernels multiply GGUF blocks (C, Numba;
     JAX and MLX with numerics="ggml", which call the C kernels: alchemist.kernels.jax_ffi, mlx_host); "float32"
     elsewhere, where the graph would dequantize every weight on every step: on gemma-3-270m (benchmarks/memory.py)
     decoding was 2-5x (JAX) and 10-12x (MLX) slower, and peak RSS hardly lower (the dequantized temporaries of a
-    prefill step are float32 weights again: JAX 1.9 GB vs 2.2, MLX 2.3 GB vs 2.2), though steady RSS is lower."""
-    if name in KERNEL_BACKENDS:
+    prefill step are float32 weights again: JAX 1.9 GB vs 2.2, MLX 2.3 GB vs 2.2), though steady RSS is lower.
+    mlx_packed: the model is a snapshot with MLX-quantized projections, which MLX multiplies packed with its own
+    mx.quantized_matmul (kernels.mlx_affine): "quantized" on MLX too."""
+    if name in KERNEL_BACKENDS or name == "mlx" and mlx_packed:
         return "quantized"
     if name == "jax" and numerics == "ggml":
         from alchemist.kernels import jax_ffi
@@ -104,16 +106,23 @@ def default_weights(name: str, numerics: str = "exact") -> str:
     return "float32"
 
 
-def check_weights(weights: str | None, backend: str, numerics: str = "exact") -> str:
+def check_weights(weights: str | None, backend: str, numerics: str = "exact", mlx_packed: bool = False) -> str:
     """`weights` ("quantized", "float32", or None for the backend's default with `numerics`), checked."""
     if weights is None:
-        return default_weights(backend, numerics)
+        return default_weights(backend, numerics, mlx_packed)
     if weights not in WEIGHT_FORMATS:
         raise AlchemistError(f"unknown weights {weights!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
     return weights
 
 
-def uses_quantized_kernels(name: str, weights: str | None = None, numerics: str = "exact") -> bool:
+def uses_quantized_kernels(
+    name: str, weights: str | None = None, numerics: str = "exact", mlx_packed: bool = False
+) -> bool:
     """True when `name` should load weights with load_weights(..., quantized=True) (for `weights`, or the
-    backend's default format with `numerics`)."""
-    return check_weights(weights, name, numerics) == "quantized"
+    backend's default format with `numerics`; mlx_packed: see default_weights)."""
+    return check_weights(weights, name, numerics, mlx_packed) == "quantized"
+
+
+def mlx_packed(ir) -> bool:
+    """Whether the IR's projections include MLX-quantized ones its kernels multiply packed (a snapshot's)."""
+    return any(t.kernel and t.ggml_type == "MLX_AFFINE" for t in ir.tensors)

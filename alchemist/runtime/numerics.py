@@ -115,6 +115,8 @@ def primitives(module: ModuleType, numerics: str = DEFAULT) -> Primitives:
         if weight.dtype == "uint8":  # GGUF blocks: the kernel rounds its own input
             y = quantized_linear(x, weight, ggml_type, *shape, numerics="ggml")
             return y if bias is None else y + bias
+        if weight.dtype == "uint32":  # MLX-packed (a snapshot's): llama.cpp has no arithmetic of its own for it
+            return exact.project(x, w, name, bias)
         return linear(round_activations(x, ggml_type), weight, bias)
 
     def project_experts(x, w, name, experts, bias=None):
