@@ -228,7 +228,8 @@ def test_the_audit_catches_a_packed_module_that_reads_wrong(tiny_gguf, tmp_path,
 @pytest.mark.parametrize(
     "arch,backend,dtype",
     [("llama", "c", "F32"), ("qwen3", "c", "F32"), ("gemma3", "c", "BF16"), ("qwen3moe", "c", "F32"),
-     ("llama", "numba", "F32"), ("gemma3", "mlx", "BF16"), ("qwen3", "jax", "F16")],
+     ("llama", "numba", "F32"), ("qwen3", "numba", "F32"), ("gemma3", "numba", "BF16"), ("qwen3moe", "numba", "F32"),
+     ("gemma3", "mlx", "BF16"), ("qwen3", "jax", "F16")],
 )  # fmt: skip
 def test_a_snapshot_passes_validation_against_mlx_lm(tiny_gguf, tmp_path, arch, backend, dtype):
     """mlx-lm, a second and independent oracle (its own model classes over the snapshot, MLX on CPU; half-precision

@@ -83,8 +83,8 @@ def _validate_types(fixture_files, shared_engines, case, backend, wtypes, n_gen_
     return results
 
 
-def _check_family(fixture_files, shared_engines, case, backend, n_greedy, layers=True):
-    results = _validate_types(fixture_files, shared_engines, case, backend, FAMILY_TYPES + CASE_TYPES.get(case, ()),
+def _check_family(fixture_files, shared_engines, case, backend, n_greedy, layers=True, types=FAMILY_TYPES):
+    results = _validate_types(fixture_files, shared_engines, case, backend, types + CASE_TYPES.get(case, ()),
                               lambda wtype: n_greedy if wtype == "F32" else 0, layers=layers)
     if layers:  # the exact fixture really was compared layer by layer (every layer's output included)
         compared = results["F32"]["layers"]
@@ -93,7 +93,7 @@ def _check_family(fixture_files, shared_engines, case, backend, n_greedy, layers
         assert "layers" not in results["F32"]
     if n_greedy:
         assert results["F32"]["greedy"]["n_agree"] == n_greedy
-    assert not results["Q4_K"]["quantized_kernels"] or case in ROUTING_NEAR_TIES
+    assert "Q4_K" not in results or not results["Q4_K"]["quantized_kernels"] or case in ROUTING_NEAR_TIES
 
 
 @pytest.mark.parametrize("case", FIXTURES)
@@ -112,8 +112,13 @@ NUMBA_LAYER_FAMILIES = ("llama", "gemma3", "gpt2", "qwen3moe", "lfm2")
 
 @pytest.mark.parametrize("case", FAMILIES)
 def test_family_fixture_numba(fixture_files, shared_engines, case):
-    # the prompt (prefill) graph; decoding through the KV cache is the same graph at T = 1, checked on C above
-    _check_family(fixture_files, shared_engines, case, "numba", n_greedy=0, layers=case in NUMBA_LAYER_FAMILIES)
+    # the prompt (prefill) graph; decoding through the KV cache is the same graph at T = 1, checked on C above.
+    # The routing near-ties' quantized files run through the kernels with ggml numerics, one more whole-graph
+    # compile per weight type: on Numba Q8_0 stands for both (the graph differs from Q4_K's by the Ops' type
+    # only; C runs both, and test_kernels_path runs Q4_K through Numba's kernels)
+    types = FAMILY_TYPES[:2] if case in ROUTING_NEAR_TIES else FAMILY_TYPES
+    _check_family(fixture_files, shared_engines, case, "numba", n_greedy=0, layers=case in NUMBA_LAYER_FAMILIES,
+                  types=types)
 
 
 @pytest.mark.parametrize("backend", ("c", "numba"))
@@ -131,7 +136,7 @@ def test_kernels_path(fixture_files, shared_engines, case, backend):
 def test_family_fixture_static_backends(fixture_files, shared_engines, case, backend):
     results = _validate_types(fixture_files, shared_engines, case, backend, ("F32", "Q4_K"), lambda wtype: 32)
     assert results["F32"]["layers"]["max_nmse"] <= 1e-6
-    assert not results["Q4_K"]["quantized_kernels"] or case in ROUTING_NEAR_TIES  # JAX and MLX multiply float32 weights
+    assert "Q4_K" not in results or not results["Q4_K"]["quantized_kernels"] or case in ROUTING_NEAR_TIES  # JAX and MLX multiply float32 weights
 
 
 @pytest.mark.parametrize("case", LLAMA_LIKE)
