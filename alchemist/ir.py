@@ -271,8 +271,9 @@ class MLPSpec:
     # MOE: the router; up/gate/down (and their biases) are then 3-D expert tensors (n_expert, n_out, n_in)
     router: RouterSpec | None = field(default=None, metadata=LATER)
     # activation sparsity (gemma3n): gate <- relu(gate - (mean + sparsity_std · std)) per token before the
-    # activation, std with n - 1; 0: dense
+    # activation, std with n - sparsity_ddof (llama.cpp's n - 1; Hugging Face's and mlx-lm's n); 0: dense
     sparsity_std: float = field(default=0.0, metadata=LATER)
+    sparsity_ddof: int = field(default=1, metadata=LATER)
     # MOE: the shared expert, a dense MLP (ffn_*_shexp) every token goes through, added to the routed experts' sum
     shared: "MLPSpec | None" = field(default=None, metadata=LATER)
     # MOE: (n_embd,): the shared expert's output times sigmoid(x · shared_gate) per token (Qwen3-Next, Qwen3.5 MoE)

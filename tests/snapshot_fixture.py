@@ -48,7 +48,8 @@ def _hf_names(arch: str, n_layer: int) -> dict[str, str]:
     model_arch = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     candidates: dict[str, list[str]] = {}
     for hf, (_, name) in gguf.get_tensor_name_map(model_arch, n_layer).mapping.items():
-        if hf.startswith(("model.embed", "model.norm", "model.layers.")) and ".layers.layers." not in hf or hf == "lm_head":
+        top = ("model.embed", "model.norm", "model.layers.", "model.per_layer", "model.altup")
+        if hf.startswith(top) and ".layers.layers." not in hf or hf == "lm_head":
             candidates.setdefault(name, []).append(hf)
 
     def rank(hf: str) -> int:
@@ -112,7 +113,17 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1, 
     if "num_local_experts" in config:  # transformers' qwen3_moe (and mlx-lm) say num_experts
         config["num_experts"] = config.pop("num_local_experts")
     config.setdefault("intermediate_size", config.get("moe_intermediate_size"))
+    for key, gguf_key, value in spec.flags:  # a bool array back to the per-layer names (gemma3n's layer types)
+        config[key] = [value if f else "full_attention" for f in meta[f"{arch}.{gguf_key}"]]
+    if spec.text_config:  # multimodal: the text model's keys in their own object, beside the model type
+        n = int(meta[f"{arch}.block_count"])
+        config.update({key: value(config) if callable(value) else value for key, value, _ in spec.requires})
+        config.update(model_type="gemma3n_text", altup_coef_clip=None, vocab_size_per_layer_input=config["vocab_size"],
+                      num_kv_shared_layers=max(0, n - 20), rope_theta=config.get("rope_theta", 10000.0))  # fmt: skip
+        config.update({key: value(config) if callable(value) else value for key, value, _ in spec.requires})
+        config = {"model_type": spec.model_types[0], spec.text_config: config}
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    config = config.get(spec.text_config, config)
     n_layer = int(meta[f"{arch}.block_count"])
     hf = _hf_names(arch, n_layer)
     heads = {"attn_q": config["num_attention_heads"],
@@ -124,7 +135,9 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1, 
         kind = base.split(".")[-1]
         if spec.permute_qk and kind in heads:  # undo permute(W, n_head): adjacent pairs back to rotate-half
             n = heads[kind]
-            values = values.reshape(n, values.shape[0] // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+            values = (
+                values.reshape(n, values.shape[0] // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+            )
         if spec.norm_plus_one and name.endswith("norm.weight"):  # Hugging Face stores Gemma's w, GGUF 1 + w
             values = values - np.float32(1.0)
         stored = {"F32": values, "F16": values.astype(np.float16), "BF16": bf16_bits(values)}[dtype]
@@ -134,12 +147,21 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1, 
             for e in range(stored.shape[0]):
                 tensors[f"{prefix}.mlp.experts.{e}.{kind}.{suffix}"] = (dtype, np.ascontiguousarray(stored[e]))
             continue
-        for new, old in spec.renames:  # back to the stored form (MLX's switch_mlp)
-            hf_name = hf_name.replace(old, new)
-        tensors[f"{hf_name}.{suffix}"] = (dtype, stored)
+        full = f"{hf_name}.{suffix}"
+        for new, old in reversed(spec.renames):  # back to the stored form (MLX's switch_mlp, gemma3n's prefix)
+            full = full.replace(old, new, 1)
+        if hf_name.endswith("_projections"):  # gemma3n's AltUp projections: one tensor each in every snapshot
+            for j in range(stored.shape[0]):
+                tensors[f"{full.removesuffix('.' + suffix)}.{j}.{suffix}"] = (dtype, np.ascontiguousarray(stored[j]))
+            continue
+        tensors[full] = (dtype, stored)
     names = list(tensors)
     parts = [names[i::shards] for i in range(shards)]
-    files = ["model.safetensors"] if shards == 1 else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    files = (
+        ["model.safetensors"]
+        if shards == 1
+        else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    )
     for file, part in zip(files, parts):
         write_safetensors(out / file, {n: tensors[n] for n in part})
     if tokenizer:

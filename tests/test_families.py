@@ -201,7 +201,7 @@ def test_a_failing_backend_is_listed_and_does_not_hide_the_types_that_pass():
         for b in ("c", "jax")
     ]
     line = architecture_markdown(rows).splitlines()[-1]
-    assert line == "| `gemma3n` | GGUF | AltUp | c (fails: jax/F32, jax/Q8_0) | F32, Q8_0 |"
+    assert line == "| `gemma3n` | GGUF, snapshot (gemma3n) | AltUp | c (fails: jax/F32, jax/Q8_0) | F32, Q8_0 |"
     rows[1]["passed"] = False  # c fails on F32 too: F32 passes on no validated backend
     assert architecture_markdown(rows).splitlines()[-1].endswith("| none (fails: c/F32, jax/F32, jax/Q8_0) | none |")
 

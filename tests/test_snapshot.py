@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -27,14 +28,28 @@ def _computation(ir):
                                tensors=(), metadata=(), model_name="")  # fmt: skip
 
 
-@pytest.mark.parametrize("arch,shards", [("llama", 1), ("llama", 3), ("qwen3", 2), ("gemma3", 2), ("qwen3moe", 2)])
+@pytest.mark.parametrize(
+    "arch,shards", [("llama", 1), ("llama", 3), ("qwen3", 2), ("gemma3", 2), ("qwen3moe", 2), ("gemma3n", 2)]
+)
 def test_a_snapshot_reads_into_the_ir_of_its_gguf_conversion(tiny_gguf, tmp_path, arch, shards):
     """config.json keys become the GGUF keys, Hugging Face names the GGUF names (gguf-py's map), llama's q/k rows
-    are marked for the converter's reordering: the IR computes what the GGUF's does; each tensor stays in place."""
+    are marked for the converter's reordering, gemma3n's text model read from its multimodal config and its AltUp
+    projections stacked: the IR computes what the GGUF's does; each tensor stays in place. One difference is the
+    models' own: gemma3n's activation sparsity takes the std over n in Hugging Face's model, over n - 1 in
+    llama.cpp's, and each IR says its model's."""
     gguf_path = tiny_gguf(arch)
     snap = snapshot_from_gguf(gguf_path, tmp_path / "snap", shards=shards)
     facts = read_snapshot(snap)
     ours, theirs = build_model_ir(facts), build_model_ir(read_gguf(gguf_path))
+    if arch == "gemma3n":
+        assert {lay.mlp.sparsity_ddof for lay in ours.layers} == {0} and ours.layers[0].mlp.sparsity_std > 0
+        assert {lay.mlp.sparsity_ddof for lay in theirs.layers} == {1}
+        ddof_1 = tuple(
+            dataclasses.replace(lay, mlp=dataclasses.replace(lay.mlp, sparsity_ddof=1)) for lay in ours.layers
+        )
+        ours = dataclasses.replace(ours, layers=ddof_1)
+        assert any(name.endswith(".altup_projections.1.weight") for name in json.loads(
+            (snap / "model.safetensors.index.json").read_text())["weight_map"])  # fmt: skip
     assert _computation(ours) == _computation(theirs) and ours.computation_hash() == theirs.computation_hash()
     assert ours.ir_hash() != theirs.ir_hash()  # the IR hash also covers where each was read from
     assert [t.name for t in ours.tensors] != [] and {t.name for t in ours.tensors} == {t.name for t in theirs.tensors}
@@ -133,6 +148,38 @@ def test_a_malformed_snapshot_is_refused_by_file_and_field(tiny_gguf, tmp_path, 
     assert mention in str(e.value) and isinstance(e.value, AlchemistError)
 
 
+def test_a_gemma3n_snapshot_is_its_text_model_and_llama_cpp_s_constants(tiny_gguf, tmp_path):
+    """gemma3n's text model: the vision and audio towers' tensors are skipped, as the converter skips them; what
+    llama.cpp takes as constants (AltUp streams, LAuReL rank, which layers share caches or are sparse) is required
+    of config.json, another value refused by key; a config without its text_config is refused by field."""
+    from snapshot_fixture import write_safetensors
+
+    snap = snapshot_from_gguf(tiny_gguf("gemma3n"), tmp_path / "snap")
+    write_safetensors(snap / "towers.safetensors", {"model.vision_tower.patch.weight": ("F32", np.ones((4, 4), np.float32)),
+                                                    "model.embed_audio.embedding.weight": ("F32", np.ones(8, np.float32))})  # fmt: skip
+    facts = read_snapshot(snap)
+    assert {t.file for t in facts.tensors.values()} == {0} and len(facts.source_files) == 2
+    assert build_model_ir(facts).computation_hash() == build_model_ir(read_snapshot(snap)).computation_hash()
+    config = json.loads((snap / "config.json").read_text())
+    text = config["text_config"]
+    for changed, mention in (
+        ({"laurel_rank": 32}, "laurel_rank is 32, not 64"),
+        ({"num_kv_shared_layers": 2}, "num_kv_shared_layers is 2, not 0"),
+        ({"activation_sparsity_pattern": [0.95] * 5 + [0.0]}, "activation_sparsity_pattern is"),
+        ({"altup_num_inputs": 2}, "altup_num_inputs is 2, not 4"),
+    ):
+        (snap / "config.json").write_text(json.dumps({**config, "text_config": {**text, **changed}}))
+        with pytest.raises(UnsupportedModelError, match=mention):
+            read_snapshot(snap)
+    for broken, error, mention in (
+        ({**config, "text_config": None}, SnapshotError, "text_config"),
+        ({**config, "text_config": {**text, "layer_types": "sliding"}}, SnapshotError, "layer_types"),
+    ):
+        (snap / "config.json").write_text(json.dumps(broken))
+        with pytest.raises(error, match=mention):
+            read_snapshot(snap)
+
+
 def test_the_writer_and_reader_agree_on_layout(tmp_path):
     """write_safetensors (the fixtures') lays tensors out as the safetensors library does; the reader finds each."""
     from alchemist.snapshot import read_safetensors
@@ -199,10 +246,7 @@ def test_the_audit_catches_a_snapshot_module_that_reads_wrong(tiny_gguf, tmp_pat
     "mutation",
     [
         ('w[name + ".scales"], w[name + ".biases"], bits', 'w[name + ".biases"], w[name + ".scales"], bits'),
-        (
-            "files[scales[0]][scales[1] : scales[1] + scales[2]], scales[3]",
-            "files[biases[0]][biases[1] : biases[1] + biases[2]], biases[3]",
-        ),
+        ('name + ".scales": regions_as_float32(files, scales,', 'name + ".scales": regions_as_float32(files, biases,'),
         ("return {key: transformed(values, transform)", "return {key: values"),
     ],
     ids=["scales and biases swapped in the graph", "biases read as scales", "packed rows left unpermuted"],
@@ -228,8 +272,8 @@ def test_the_audit_catches_a_packed_module_that_reads_wrong(tiny_gguf, tmp_path,
 @pytest.mark.parametrize(
     "arch,backend,dtype",
     [("llama", "c", "F32"), ("qwen3", "c", "F32"), ("gemma3", "c", "BF16"), ("qwen3moe", "c", "F32"),
-     ("llama", "numba", "F32"), ("qwen3", "numba", "F32"), ("gemma3", "numba", "BF16"), ("qwen3moe", "numba", "F32"),
-     ("gemma3", "mlx", "BF16"), ("qwen3", "jax", "F16")],
+     ("gemma3n", "c", "BF16"), ("llama", "numba", "F32"), ("qwen3", "numba", "F32"), ("gemma3", "numba", "BF16"),
+     ("qwen3moe", "numba", "F32"), ("gemma3n", "numba", "F32"), ("gemma3", "mlx", "BF16"), ("qwen3", "jax", "F16")],
 )  # fmt: skip
 def test_a_snapshot_passes_validation_against_mlx_lm(tiny_gguf, tmp_path, arch, backend, dtype):
     """mlx-lm, a second and independent oracle (its own model classes over the snapshot, MLX on CPU; half-precision
@@ -321,12 +365,13 @@ def test_inference_on_a_snapshot_takes_text(tiny_gguf, tiny_dir, tmp_path):
     assert out.output == ours.tokenizer.decode(out.output_token_ids)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe", "gemma3n"])
 def test_an_mlx_quantized_snapshot_reads_as_mlx_dequantizes_and_validates(tiny_gguf, tmp_path, arch):
     """A snapshot quantized by mlx-lm's own quantizer (4 bits, groups of 32; the down projections 8 bits in groups
-    of 64 by a per-layer override; qwen3moe's stacked experts too): every weight loads as mx.dequantize gives it,
-    bit for bit; the module passes its audit; against mlx-lm the logits hold the quantized bar and 8 greedy steps
-    agree."""
+    of 64 by a per-layer override; qwen3moe's stacked experts and gemma3n's AltUp projections, quantized one by one
+    and stacked, too): every weight loads as mx.dequantize gives it, bit for bit; the module passes its audit;
+    against mlx-lm, with the projections packed through alchemist's kernels on C and Numba, the logits hold the
+    quantized bar and 8 greedy steps agree."""
     import gguf
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -353,12 +398,14 @@ def test_an_mlx_quantized_snapshot_reads_as_mlx_dequantizes_and_validates(tiny_g
     compared = 0
     for module in (n.removesuffix(".scales") for n in params if n.endswith(".scales")):
         q = [params[f"{module}.{part}"] for part in ("weight", "scales", "biases")]
-        info = next(t for t in ir.tensors if t.name == names.get_name(
-            module.replace(".switch_mlp.", ".experts.") + ".weight", try_suffixes=(".weight",)))  # fmt: skip
+        hf, index = module.replace(".switch_mlp.", ".experts.").replace(".language_model.", "."), None
+        if re.search(r"_projections\.\d+$", hf):  # gemma3n's AltUp projections: parts of one stacked tensor
+            hf, index = hf.rsplit(".", 1)[0], int(hf.rsplit(".", 1)[1])
+        info = next(t for t in ir.tensors if t.name == names.get_name(hf + ".weight", try_suffixes=(".weight",)))
         want = np.array(mx.dequantize(*q, group_size=info.quant[1], bits=info.quant[0]))
         if info.transform:  # llama's q/k rows, reordered as the converter does
             want = _rope_pairs(want, info.transform[1])
-        np.testing.assert_array_equal(ours[info.name], want)
+        np.testing.assert_array_equal(ours[info.name] if index is None else ours[info.name][index], want)
         compared += 1
     assert compared >= 4 * ir.n_layer
     # the projections packed through alchemist's kernels (the packed weights, not their float32 dequantization)

@@ -277,8 +277,15 @@ class SnapshotSpec:
     norm_plus_one: bool = False
     # (old, new) replaced in each tensor name before gguf-py maps it (MLX's stacked experts, `switch_mlp`)
     renames: tuple[tuple[str, str], ...] = ()
-    # (config key, the only value llama.cpp's family computes, why): another value is refused
+    # (config key, the only value llama.cpp's family computes (or a function of the config giving it), why): another
+    # value is refused
     requires: tuple[tuple[str, object, str], ...] = ()
+    # the config.json object holding the text model's keys, where the model is multimodal ("text_config")
+    text_config: str = ""
+    # tensors whose names lack this are not the text model's (vision and audio towers): skipped, as the converter does
+    only: str = ""
+    # (config key, GGUF key, value): a per-layer list of names written as the bool array "name == value"
+    flags: tuple[tuple[str, str, str], ...] = ()
     # (pattern, name): tensors whose names match the pattern (its group "i": their index) stacked, in index order,
     # into one tensor named by the replacement (transformers' experts, one tensor each)
     stacks: tuple[tuple[str, str], ...] = ()

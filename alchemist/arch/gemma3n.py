@@ -26,6 +26,7 @@ from alchemist.arch.family import (
     Family,
     FixtureSpec,
     Hparams,
+    SnapshotSpec,
     every_nth_dense,
     gemma_fixture_scales,
     shared_kv_source,
@@ -41,6 +42,7 @@ from alchemist.arch.table import (
     FFN_NORM,
     FFN_POST_NORM,
     LAUREL,
+    LAUREL_RANK,
     OUTPUT,
     OUTPUT_NORM,
     PER_LAYER_WIDTH,
@@ -73,6 +75,8 @@ def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
     sliding = [lay.attention.sliding_window > 0 for lay in ir.layers]
     if not any(sliding):
         raise UnsupportedModelError(f"{hp.facts.path}: gemma3n needs sliding-window layers (llama.cpp's iSWA cache)")
+    # the std over n - 1 in llama.cpp, over n in Hugging Face's and mlx-lm's model: a snapshot computes as its own
+    sparsity_ddof = 0 if getattr(hp.facts, "source_files", ()) else 1
     layers = []
     for lay in ir.layers:
         il = lay.index
@@ -81,7 +85,9 @@ def _components(hp: Hparams, ir: ModelIR) -> ModelIR:
             kv_layer=shared_kv_source(il, sliding, KV_FROM_START, f"{hp.facts.path}: gemma3n"),
             v_norm=NormSpec(NormKind.RMS, None),
         )
-        mlp = dataclasses.replace(lay.mlp, sparsity_std=SPARSITY_STD if il < SPARSE_LAYERS else 0.0)
+        mlp = dataclasses.replace(
+            lay.mlp, sparsity_std=SPARSITY_STD if il < SPARSE_LAYERS else 0.0, sparsity_ddof=sparsity_ddof
+        )
         altup = AltUpLayerSpec(
             router="altup_router.weight",
             router_norm=rms("altup_router_norm.weight"),
@@ -164,5 +170,37 @@ FAMILY = Family(
         ),
         embedding_std=0.5,
         scales=_scales(0.3),
+    ),
+    # what convert_hf_to_gguf's Gemma3NModel does: the text model's tensors (language_model.*) by gguf-py's name
+    # map, the AltUp projections stacked, the norms as stored; the sizes llama.cpp takes as constants required
+    snapshot=SnapshotSpec(
+        model_types=("gemma3n",),
+        text_config="text_config",
+        only="language_model.",
+        renames=(("model.language_model.", "model."), (".correct_output_scale", ".correct_output_scale.weight")),
+        stacks=(
+            (r"\.altup_projections\.(?P<i>\d+)\.weight$", ".altup_projections.weight"),
+            (r"\.altup_unembed_projections\.(?P<i>\d+)\.weight$", ".altup_unembed_projections.weight"),
+        ),
+        config=(
+            ("sliding_window", "attention.sliding_window"),
+            ("rope_local_base_freq", "rope.freq_base_swa"),
+        ),
+        flags=(("layer_types", "attention.sliding_window_pattern", "sliding_attention"),),
+        requires=(
+            ("altup_num_inputs", ALTUP_STREAMS, "llama.cpp's gemma3n has 4 AltUp streams"),
+            ("altup_active_idx", 0, "llama.cpp's gemma3n computes on stream 0"),
+            ("altup_correct_scale", True, "llama.cpp's gemma3n scales the corrected stream"),
+            ("hidden_size_per_layer_input", PER_LAYER_WIDTH, "llama.cpp's gemma3n has per-layer inputs 256 wide"),
+            ("laurel_rank", LAUREL_RANK, "llama.cpp's gemma3n has LAuReL of rank 64"),
+            ("final_logit_softcapping", 30.0, "llama.cpp's gemma3n caps the logits at 30"),
+            ("num_kv_shared_layers", lambda c: max(0, c.get("num_hidden_layers", 0) - KV_FROM_START),
+             "llama.cpp's gemma3n shares the caches of layers 18 and 19 from layer 20 on"),
+            ("activation_sparsity_pattern", lambda c: [0.95 if il < SPARSE_LAYERS else 0.0
+                                                        for il in range(c.get("num_hidden_layers", 0))],
+             "llama.cpp's gemma3n keeps the top 5% of the gate in its first 10 layers"),
+            ("vocab_size_per_layer_input", lambda c: c.get("vocab_size"),
+             "the per-layer embedding has a row per token (Gemma 3n's real 262144 of 262400 are not read yet)"),
+        ),  # fmt: skip
     ),
 )

@@ -398,12 +398,17 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
                 regions.append((offset, offset + nbytes, f"{name} (part {k})"))
                 placed[f"{name} (part {k})"] = file
         for name, quant in (src.constant("MLX_QUANTIZED") or {}).items():  # its scales and biases: regions too
-            for i, part in enumerate(quant[2:] if isinstance(quant, tuple) else ()):
-                if isinstance(part, tuple) and len(part) == 4 and all(_is_int(x) for x in part[:3]):
-                    regions.append((part[1], part[1] + part[2], f"{name} ({('scales', 'biases')[i]})"))
-                    placed[f"{name} ({('scales', 'biases')[i]})"] = part[0]
-                else:
-                    f.append(f"MLX_QUANTIZED[{name!r}] part {i} is not (file, offset, nbytes, type)")
+            for i, parts in enumerate(quant[2:] if isinstance(quant, tuple) else ()):
+                what = ("scales", "biases")[i] if i < 2 else f"part {i}"
+                if not (isinstance(parts, tuple) and parts):
+                    f.append(f"MLX_QUANTIZED[{name!r}] {what} are not regions (file, offset, nbytes, type)")
+                    continue
+                for k, part in enumerate(parts):
+                    if isinstance(part, tuple) and len(part) == 4 and all(_is_int(x) for x in part[:3]):
+                        regions.append((part[1], part[1] + part[2], f"{name} ({what} {k})"))
+                        placed[f"{name} ({what} {k})"] = part[0]
+                    else:
+                        f.append(f"MLX_QUANTIZED[{name!r}] {what} region {k} is not (file, offset, nbytes, type)")
     if not (_is_int(data_offset) and data_offset >= 0):
         f.append("DATA_OFFSET is not a non-negative integer literal")
         data_offset = 0

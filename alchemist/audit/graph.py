@@ -181,7 +181,7 @@ def probe_snapshot_loader(module, tensors: dict, kernel: set) -> list[str]:
             for _ in range(2):
                 values = rng.standard_normal(rows * (n // group)).astype(np.float32)
                 blobs[1 - file] += bytes(4 * int(rng.integers(0, 3)))
-                parts.append((1 - file, len(blobs[1 - file]), values.nbytes, "F32"))
+                parts.append(((1 - file, len(blobs[1 - file]), values.nbytes, "F32"),))
                 blobs[1 - file] += values.tobytes()
                 raw[name, len(parts)] = values.reshape(rows, n // group)
             quant[name] = (bits, group, *parts)

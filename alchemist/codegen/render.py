@@ -701,6 +701,7 @@ def template_context(ir: ModelIR) -> dict:
         + (["per_layer_gate"] if first.per_layer_gate else []),
         forward_template="forward_altup" if altup else "forward",
         sparse_mlp=any(_sparsity(lay) for lay in ir.layers),
+        sparsity_ddof=next((lay.mlp.sparsity_ddof for lay in ir.layers if _sparsity(lay)), 1),
         altup=ir.altup,
         arch=ir.architecture,
         summary=summary,

@@ -40,6 +40,7 @@ COMMON_CONFIG = (
     (("num_experts_per_tok",), "expert_used_count"),
 )
 MAX_CONFIG_BYTES = 1 << 20
+MAX_LIST = 4096  # a per-layer list in config.json: at most this many entries
 
 
 @dataclass
@@ -101,7 +102,11 @@ def _family_for(config: dict, where: str):
 
 
 def _gguf_value(value, where: str, key: str):
-    """A config value as GGUF stores it: integers as they are, numbers as float32 (as the converter writes)."""
+    """A config value as GGUF stores it: integers as they are, numbers as float32 (as the converter writes), a
+    per-layer list of them as an int32 or float32 array."""
+    if isinstance(value, list) and value and len(value) <= MAX_LIST:
+        values = [_gguf_value(v, where, key) for v in value]
+        return np.array(values, np.int32 if all(isinstance(v, int) for v in values) else np.float32)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SnapshotError(where, key, f"expected a number, got {value!r}")
     return value if isinstance(value, int) else float(np.float32(value))
@@ -117,6 +122,12 @@ def _metadata(config: dict, family, where: str) -> dict:
         key = next((k for k in keys if config.get(k) is not None), None)
         if key is not None:
             meta[f"{arch}.{gguf_key}"] = _gguf_value(config[key], where, key)
+    for key, gguf_key, value in family.snapshot.flags:
+        names = config.get(key)
+        if names is not None:
+            if not (isinstance(names, list) and 0 < len(names) <= MAX_LIST and all(isinstance(n, str) for n in names)):
+                raise SnapshotError(where, key, f"expected a list of names, got {names!r:.80}")
+            meta[f"{arch}.{gguf_key}"] = np.array([n == value for n in names], np.bool_)
     scaling = config.get("rope_scaling") or config.get("rope_parameters")
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if kind == "linear":
@@ -131,9 +142,9 @@ def _metadata(config: dict, family, where: str) -> dict:
     return meta
 
 
-def _stacked(entries: dict, stacks, files, quantized) -> tuple[dict, dict]:
+def _stacked(entries: dict, stacks, files) -> tuple[dict, dict, dict]:
     """entries with each family stack (SnapshotSpec.stacks) of tensors replaced by one entry of the stacked shape,
-    and {stacked name: ((file, offset, nbytes) of each part, in index order)}."""
+    {stacked name: ((file, offset, nbytes) of each part, in index order)} and {stacked name: its parts' names}."""
     groups: dict[str, dict[int, str]] = {}
     for hf_name in entries:
         for pattern, target in stacks:
@@ -143,17 +154,13 @@ def _stacked(entries: dict, stacks, files, quantized) -> tuple[dict, dict]:
                 break
     members = {n for g in groups.values() for n in g.values()}  # one set: a stack of experts per layer is many names
     out = {n: v for n, v in entries.items() if n not in members}
-    parts = {}
+    parts, names = {}, {}
     for name, members in groups.items():
         order = [members[k] for k in sorted(members)]
         first_file, first = entries[order[0]]
         where = str(files[first_file])
         if sorted(members) != list(range(len(members))):
             raise SnapshotError(where, f"tensor {order[0]!r}", f"its stack {name} lacks some of 0..{len(members) - 1}")
-        if any(n.rsplit(".", 1)[0] in quantized for n in order):
-            raise UnsupportedModelError(
-                f"{where}: {name}: quantized tensors stacked from one per expert are not read yet"
-            )
         if any(entries[n][1].shape != first.shape or entries[n][1].dtype != first.dtype for n in order):
             raise SnapshotError(
                 where, f"tensor {order[0]!r}", f"the tensors stacked into {name} differ in shape or type"
@@ -161,13 +168,28 @@ def _stacked(entries: dict, stacks, files, quantized) -> tuple[dict, dict]:
         nbytes = sum(entries[n][1].nbytes for n in order)
         out[name] = (first_file, Entry(first.dtype, (len(order), *first.shape), first.start, nbytes))
         parts[name] = tuple((entries[n][0], entries[n][1].start, entries[n][1].nbytes) for n in order)
-    return out, parts
+        names[name] = tuple(order)
+    return out, parts, names
+
+
+def _stacked_quantized(config, config_path, name: str, members: list, quantized: set, entries: dict, files):
+    """(the dequantized stacked shape, quant) of a stack of MLX-quantized tensors: the same bits, group size and
+    shape in each, their scales and biases one region a part, in the stack's order."""
+    where = str(files[entries[members[0] + ".weight"][0]])
+    if not all(m in quantized for m in members):
+        raise SnapshotError(where, f"tensor {name!r}", "stacks quantized and unquantized tensors")
+    each = [_mlx_quantized(config, config_path, m, entries[m + ".weight"][1], entries, files) for m in members]
+    if len({(shape, quant[:2]) for shape, quant in each}) != 1:
+        raise SnapshotError(where, f"tensor {name!r}", "stacks tensors quantized with different bits, groups or shapes")
+    shape, (bits, group, _, _) = each[0]
+    return (len(each), *shape), (bits, group, sum((q[2] for _, q in each), ()), sum((q[3] for _, q in each), ()))
 
 
 def _mlx_quantized(config: dict, config_path, module: str, e, entries: dict, files) -> tuple[tuple, tuple]:
     """(the dequantized shape, TensorInfo.quant) of MLX's quantized `module`: its packed uint32 `weight` (each row
     its values' bits end to end, LSB first), `scales` and `biases` per group of `group_size` values of a row, with
-    the bits and group size config.json's `quantization` gives (for this module, or for all)."""
+    the bits and group size config.json's `quantization` gives (for this module, or for all). quant is (bits, group
+    size, scales' regions, biases' regions), a region (file, offset, nbytes, type): one each here."""
     where = str(config_path)
     q = config.get("quantization") or config.get("quantization_config")
     if not isinstance(q, dict):
@@ -199,7 +221,7 @@ def _mlx_quantized(config: dict, config_path, module: str, e, entries: dict, fil
             raise SnapshotError(
                 str(files[j]), f"tensor {module}.{part}", f"is {p.dtype} {list(p.shape)}, not {list(want)}"
             )
-        parts.append((j, p.start, p.nbytes, p.dtype))
+        parts.append(((j, p.start, p.nbytes, p.dtype),))  # one region (a stacked weight: one a part)
     return (*e.shape[:-1], n_in), (bits, group, *parts)
 
 
@@ -218,10 +240,16 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
     if not isinstance(config, dict):
         raise SnapshotError(str(config_path), "file", "is not a JSON object")
     family = _family_for(config, str(config_path))
+    text = config
+    if family.snapshot.text_config:  # a multimodal model's config: the text model's keys are in their own object
+        text = config.get(family.snapshot.text_config)
+        if not isinstance(text, dict):
+            raise SnapshotError(str(config_path), family.snapshot.text_config, "is missing or not a JSON object")
     for key, value, why in family.snapshot.requires:
-        if key in config and config[key] != value:
-            raise UnsupportedModelError(f"{config_path}: {key} is {config[key]!r}, not {value!r}: {why}")
-    metadata = _metadata(config, family, str(config_path))
+        value = value(text) if callable(value) else value
+        if key in text and text[key] != value:
+            raise UnsupportedModelError(f"{config_path}: {key} is {text[key]!r}, not {value!r}: {why}")
+    metadata = _metadata(text, family, str(config_path))
     arch = family.name
     n_layer = metadata.get(f"{arch}.block_count")
     if not isinstance(n_layer, int) or n_layer < 1:
@@ -239,8 +267,11 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
             if hf_name in entries:
                 raise SnapshotError(str(file), f"tensor {hf_name!r}", "is in two of the snapshot's files")
             entries[hf_name] = (i, e)
+    if family.snapshot.only:  # the text model's tensors; the vision and audio towers are not read
+        entries = {n: v for n, v in entries.items() if family.snapshot.only in n}
     quantized = {n.removesuffix(".scales") for n in entries if n.endswith(".scales")}
-    entries, stacked = _stacked(entries, family.snapshot.stacks, files, quantized)
+    originals = entries
+    entries, stacked, stacked_names = _stacked(entries, family.snapshot.stacks, files)
     tensors: dict[str, TensorInfo] = {}
     unknown = []
     for hf_name, (i, e) in entries.items():
@@ -262,6 +293,13 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
             transform = ("rope_pairs", int(heads[kind]))  # convert_hf_to_gguf's permute(W, n_head)
         elif family.snapshot.norm_plus_one and name.endswith("norm.weight"):
             transform = ("plus_one",)  # Gemma's x · (1 + w), stored as 1 + w in GGUF
+        members = [n.rsplit(".", 1)[0] for n in stacked_names.get(hf_name, ())]
+        if members and any(m in quantized for m in members):  # a stack of quantized tensors (gemma3n's AltUp)
+            shape, quant = _stacked_quantized(config, config_path, hf_name, members, quantized, originals, files)
+            tensors[name] = TensorInfo(
+                name, "MLX_AFFINE", tuple(reversed(shape)), e.start, e.nbytes, i, transform, quant, stacked[hf_name]
+            )
+            continue
         if module in quantized:
             shape, quant = _mlx_quantized(config, config_path, module, e, entries, files)
             tensors[name] = TensorInfo(
