@@ -200,6 +200,15 @@ MLX_CONFIGS = {
     "qwen3": dict(model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, vocab_size=320,
                   rope_theta=1000000.0, max_position_embeddings=256, tie_word_embeddings=True),
+    # gemma3n's text model in its multimodal config, at llama.cpp's constants (AltUp, LAuReL, per-layer widths)
+    "gemma3n": dict(model_type="gemma3n", text_config=dict(
+        model_type="gemma3n_text", hidden_size=128, num_hidden_layers=5, intermediate_size=[256] * 5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, vocab_size=320,
+        vocab_size_per_layer_input=320, num_kv_shared_layers=0, sliding_window=4, max_position_embeddings=256,
+        rope_local_base_freq=10000.0, rope_theta=1000000.0, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention"] * 4 + ["full_attention"], activation_sparsity_pattern=[0.95] * 5,
+        hidden_size_per_layer_input=256, altup_num_inputs=4, altup_coef_clip=120.0, altup_correct_scale=True,
+        altup_active_idx=0, laurel_rank=64)),
 }  # fmt: skip
 
 

@@ -461,7 +461,9 @@ def test_an_mlx_quantized_snapshot_that_says_too_little_is_refused_by_key(tiny_g
             build_model_ir(read_snapshot(q4))
 
 
-@pytest.mark.parametrize("model_type,quantize", [("llama", False), ("qwen3", False), ("qwen3", True)])
+@pytest.mark.parametrize(
+    "model_type,quantize", [("llama", False), ("qwen3", False), ("qwen3", True), ("gemma3n", False), ("gemma3n", True)]
+)
 def test_a_snapshot_mlx_lm_wrote_validates_against_it(tmp_path, model_type, quantize):
     """A random-weight snapshot written by mlx-lm's own model class (no GGUF in the loop; its weights' names and
     layout are mlx-lm's), and that snapshot quantized by mlx-lm: alchemist's module computes mlx-lm's logits."""
