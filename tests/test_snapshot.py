@@ -180,6 +180,46 @@ def test_a_gemma3n_snapshot_is_its_text_model_and_llama_cpp_s_constants(tiny_ggu
             read_snapshot(snap)
 
 
+@pytest.mark.parametrize("quantize", [False, True])
+def test_gemma3n_per_layer_embeddings_of_fewer_rows_are_padded_with_zeros(tiny_gguf, tmp_path, quantize):
+    """Gemma 3n stores per-layer embeddings for the first 262144 of its 262400 tokens (vocab_size_per_layer_input):
+    read padded with zero rows up to the vocabulary, as the converter pads them (packed too, quantized, where the
+    graph reads the rows it needs); mlx-lm's logits for a prompt of those tokens are ours."""
+    from alchemist.harness.mlx_oracle import MlxLmOracle
+    from alchemist.harness.validate import THRESHOLDS
+    from snapshot_fixture import mlx_quantized, write_safetensors
+
+    snap = snapshot_from_gguf(tiny_gguf("gemma3n"), tmp_path / "snap")
+    raw = (snap / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    tensors = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        values = np.frombuffer(raw[8 + n + start : 8 + n + end], np.float32).reshape(entry["shape"])
+        tensors[key] = ("F32", values[:480] if "embed_tokens_per_layer" in key else values)
+    write_safetensors(snap / "model.safetensors", tensors)
+    config = json.loads((snap / "config.json").read_text())
+    config["text_config"]["vocab_size_per_layer_input"] = 480
+    (snap / "config.json").write_text(json.dumps(config))
+    if quantize:
+        snap = mlx_quantized(snap, tmp_path / "q4")
+    facts = read_snapshot(snap)
+    info = facts.tensors["per_layer_token_embd.weight"]
+    assert info.shape[0] == 512 and info.transform == ("pad_rows", 32)
+    model = load_llm(snap, backend="c", context=64, generated_dir=tmp_path / "gen", progress=False, numerics="exact")
+    if not quantize:
+        table = model.module.load_weights(str(snap))["per_layer_token_embd.weight"]
+        assert table.shape[0] == 512 and not table[480:].any() and table[:480].any()
+    ids = [1, 40, 300, 7, 99, 260, 45, 45, 3, 128, 17, 479, 64, 9]
+    ours = model.engine.run(ids, 0, all_logits=True)
+    with MlxLmOracle(str(snap)) as oracle:
+        theirs = oracle.logits(ids)
+    assert float(((ours - theirs) ** 2).sum() / (theirs**2).sum()) <= THRESHOLDS["exact_nmse"]
+
+
 def test_the_writer_and_reader_agree_on_layout(tmp_path):
     """write_safetensors (the fixtures') lays tensors out as the safetensors library does; the reader finds each."""
     from alchemist.snapshot import read_safetensors
@@ -433,9 +473,9 @@ def test_load_llm_on_mlx_multiplies_an_mlx_snapshot_with_mlx_quantized_matmul(ti
     monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(k) or real(*a, **k))
     model = load_llm(q4, backend="mlx", context=64, generated_dir=tmp_path / "gen", progress=False)
     assert model.weights == "quantized"
-    kernel = sum(t.kernel for t in model.ir.tensors)  # every projection: 7 a layer and the output
+    kernel = sum(t.kernel for t in model.ir.tensors)  # every projection (7 a layer, the output) and the embedding
     assert (
-        kernel == 7 * model.ir.n_layer + 1
+        kernel == 7 * model.ir.n_layer + 2
         and sum(str(v.dtype) == "mlx.core.uint32" for v in engine_weights(model.engine)) == kernel
     )
     model.engine.run([1, 2, 3], 0)

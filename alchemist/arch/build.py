@@ -320,7 +320,8 @@ def _binding(facts: GGUFFacts, name: str, spec: TensorSpec, expected: tuple[int,
     gguf_kernel = info.ggml_type in KERNEL_TYPES and (
         spec.role in ("linear", "embedding") and len(info.shape) == 2 or spec.role == "experts" and len(info.shape) == 3
     )
-    mlx_kernel = info.ggml_type == "MLX_AFFINE" and spec.role == "linear" and len(info.shape) == 2  # kernels.mlx_affine
+    # kernels.mlx_affine: products, and rows read by token (dequantized as read)
+    mlx_kernel = info.ggml_type == "MLX_AFFINE" and spec.role in ("linear", "embedding") and len(info.shape) == 2
     kernel = gguf_kernel or mlx_kernel
     if not kernel and info.ggml_type in NOT_IN_GGUF_PY:  # the module's loader dequantizes it with gguf-py
         raise UnsupportedModelError(

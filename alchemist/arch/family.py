@@ -286,6 +286,9 @@ class SnapshotSpec:
     only: str = ""
     # (config key, GGUF key, value): a per-layer list of names written as the bool array "name == value"
     flags: tuple[tuple[str, str, str], ...] = ()
+    # (GGUF tensor name, config key): a table stored with fewer rows than the key says, padded with zero rows as
+    # the converter pads it (gemma3n's per-layer embeddings: 262144 rows of a 262400-token vocabulary)
+    pad_rows: tuple[tuple[str, str], ...] = ()
     # (pattern, name): tensors whose names match the pattern (its group "i": their index) stacked, in index order,
     # into one tensor named by the replacement (transformers' experts, one tensor each)
     stacks: tuple[tuple[str, str], ...] = ()

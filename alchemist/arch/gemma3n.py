@@ -199,8 +199,7 @@ FAMILY = Family(
             ("activation_sparsity_pattern", lambda c: [0.95 if il < SPARSE_LAYERS else 0.0
                                                         for il in range(c.get("num_hidden_layers", 0))],
              "llama.cpp's gemma3n keeps the top 5% of the gate in its first 10 layers"),
-            ("vocab_size_per_layer_input", lambda c: c.get("vocab_size"),
-             "the per-layer embedding has a row per token (Gemma 3n's real 262144 of 262400 are not read yet)"),
         ),  # fmt: skip
+        pad_rows=(("per_layer_token_embd.weight", "vocab_size"),),
     ),
 )

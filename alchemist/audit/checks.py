@@ -365,6 +365,10 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
         if not (_is_int(offset) and offset >= 0 and _is_int(nbytes) and nbytes > 0):
             f.append(f"TENSORS[{name!r}] offset/nbytes are not non-negative integers")
             continue
+        placement = (src.constant("TENSOR_FILES") or {}).get(name)
+        transform = placement[1] if isinstance(placement, tuple) and len(placement) == 2 else ()
+        if isinstance(transform, tuple) and transform[:1] == ("pad_rows",) and _is_int(transform[1]):
+            shape = (shape[0] - transform[1], *shape[1:])  # stored without the zero rows its loader appends
         mlx = src.constant("MLX_QUANTIZED") or {}
         if gtype == "MLX_AFFINE" and name in mlx:  # a snapshot's packed values: `bits` per value
             bits = mlx[name][0] if isinstance(mlx[name], tuple) and mlx[name] and _is_int(mlx[name][0]) else 0
@@ -455,13 +459,16 @@ def _snapshot_files(src: ModuleSource, tensors: dict, f: list[str]) -> tuple[dic
     for name, entry in table.items():
         ok = isinstance(entry, tuple) and len(entry) == 2 and entry[0] in files and isinstance(entry[1], tuple)
         transform = entry[1] if ok else None
-        pairs = transform and len(transform) == 2 and transform[0] == "rope_pairs" and _is_int(transform[1])
-        if ok and transform and not (pairs and transform[1] > 0 or transform == ("plus_one",)):
+        counted = transform and len(transform) == 2 and transform[0] in ("rope_pairs", "pad_rows")
+        if (
+            ok
+            and transform
+            and not (counted and _is_int(transform[1]) and transform[1] > 0 or transform == ("plus_one",))
+        ):
             ok = False
         if not ok:
-            f.append(
-                f"TENSOR_FILES[{name!r}] is not (a SOURCE_FILES index, (), ('rope_pairs', heads) or ('plus_one',))"
-            )
+            f.append(f"TENSOR_FILES[{name!r}] is not (a SOURCE_FILES index, (), ('rope_pairs', heads), ('plus_one',) "
+                     "or ('pad_rows', rows))")  # fmt: skip
             continue
         placed[name] = entry[0]
     return files, placed

@@ -172,6 +172,9 @@ def probe_snapshot_loader(module, tensors: dict, kernel: set) -> list[str]:
     blobs, table, placed, raw, quant = [bytearray(), bytearray()], {}, {}, {}, {}
     for k, (name, (gtype, shape, _, _)) in enumerate(tensors.items()):
         small = tuple(shape) if len(shape) == 1 or transforms.get(name) else (min(shape[0], 2),) + tuple(shape[1:])
+        padded = small
+        if transforms.get(name, ())[:1] == ("pad_rows",):  # stored with fewer rows, padded with zeros by the loader
+            small = (small[0] - transforms[name][1], *small[1:])
         file = k % 2
         if gtype == "MLX_AFFINE":  # packed values in one file, their float32 scales and biases in the other
             bits, group = mlx[name][:2]
@@ -186,7 +189,7 @@ def probe_snapshot_loader(module, tensors: dict, kernel: set) -> list[str]:
                 raw[name, len(parts)] = values.reshape(rows, n // group)
             quant[name] = (bits, group, *parts)
             blobs[file] += bytes(4 * int(rng.integers(0, 3)))
-            table[name] = (gtype, small, len(blobs[file]), data.nbytes)
+            table[name] = (gtype, padded, len(blobs[file]), data.nbytes)
             placed[name] = (file, transforms.get(name, ()))
             raw[name] = data
             blobs[file] += data.tobytes()
@@ -203,12 +206,12 @@ def probe_snapshot_loader(module, tensors: dict, kernel: set) -> list[str]:
                 parts.append((f, len(blobs[f]), part_bytes))
                 blobs[f] += data.view(np.uint8)[j * part_bytes : (j + 1) * part_bytes].tobytes()
             stacked[name] = tuple(parts)
-            table[name] = (gtype, small, parts[0][1], data.nbytes)
+            table[name] = (gtype, padded, parts[0][1], data.nbytes)
             placed[name] = (file, transforms.get(name, ()))
             raw[name] = data.view(np.uint8)
             continue
         blobs[file] += bytes(8 * int(rng.integers(0, 3)))  # a gap before every region
-        table[name] = (gtype, small, len(blobs[file]), data.nbytes)
+        table[name] = (gtype, padded, len(blobs[file]), data.nbytes)
         placed[name] = (file, transforms.get(name, ()))
         raw[name] = data.view(np.uint8)
         blobs[file] += raw[name].tobytes()
@@ -232,13 +235,17 @@ def probe_snapshot_loader(module, tensors: dict, kernel: set) -> list[str]:
                 return ["load_weights(directory) does not return exactly the TENSORS names"]
             f += _probe_packed(module, tmp, table, kernel, placed, raw, quant, got)
             for name, (gtype, small, _, _) in table.items():
+                pad = placed[name][1][1] if placed[name][1][:1] == ("pad_rows",) else 0
+                stored = (small[0] - pad, *small[1:])
                 if gtype == "MLX_AFFINE":
-                    want = _mlx_reference(raw[name], small, *quant[name][:2], raw[name, 1], raw[name, 2])
+                    want = _mlx_reference(raw[name], stored, *quant[name][:2], raw[name, 1], raw[name, 2])
                 else:
-                    want = dequantize(raw[name].reshape(small[:-1] + (-1,)), GGMLQuantizationType[gtype])
-                want = want.astype(np.float32).reshape(small)
+                    want = dequantize(raw[name].reshape(stored[:-1] + (-1,)), GGMLQuantizationType[gtype])
+                want = want.astype(np.float32).reshape(stored)
                 if placed[name][1] == ("plus_one",):
                     want = want + np.float32(1.0)
+                elif pad:
+                    want = np.concatenate([want, np.zeros((pad, *stored[1:]), np.float32)])
                 elif placed[name][1]:
                     want = _rope_pairs(want, placed[name][1][1])
                 value = np.asarray(got[name])
@@ -267,11 +274,16 @@ def _probe_packed(module, directory, table, kernel, placed, raw, quant, dequanti
     for name in table:
         wants = {name: dequantized[name]}
         if name in packed:
-            rows = table[name][1][0]
+            transform = placed[name][1]
+            rows = table[name][1][0] - (transform[1] if transform[:1] == ("pad_rows",) else 0)
             wants = {name: raw[name].view(np.uint32).reshape(rows, -1), f"{name}.scales": raw[name, 1],
                      f"{name}.biases": raw[name, 2]}  # fmt: skip
-            if placed[name][1]:
-                wants = {k: _rope_pairs(v, placed[name][1][1]) for k, v in wants.items()}
+            if transform[:1] == ("pad_rows",):
+                wants = {
+                    k: np.concatenate([v, np.zeros((transform[1], v.shape[1]), v.dtype)]) for k, v in wants.items()
+                }
+            elif transform:
+                wants = {k: _rope_pairs(v, transform[1]) for k, v in wants.items()}
         for key, want in wants.items():
             value = np.asarray(got[key])
             if not (value.dtype == want.dtype and value.shape == want.shape and _same(value, want)):
@@ -344,26 +356,33 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def kernel_findings(b: Build, tensors: dict, kernel: set, roles: dict) -> tuple[list[str], int]:
-    """Every uint8 weight of a quantized build is only the blocks of a kernel Op of its type and stored shape."""
+    """Every uint8 weight of a quantized build is only the blocks of a kernel Op of its type and stored shape (an
+    MLX-packed weight's parts: see below)."""
+    from pytensor.tensor.subtensor import AdvancedSubtensor
+
     from alchemist.kernels import MlxAffineMatmul, QuantizedEmbedding, QuantizedExpertMatmul, QuantizedMatmul
 
     f, n = [], 0
     for name in sorted(kernel):
         gtype, shape = tensors[name][0], tuple(tensors[name][1])
-        if gtype == "MLX_AFFINE":  # its packed rows, scales and biases: inputs 1, 2, 3 of one MlxAffineMatmul each
+        if gtype == "MLX_AFFINE":  # its packed rows, scales and biases: inputs 1, 2, 3 of one MlxAffineMatmul each,
+            # or (a table) the same rows gathered from each, to be dequantized (kernels.mlx_affine.mlx_affine_rows)
             parts = [b.weights[name], b.weights[f"{name}.scales"], b.weights[f"{name}.biases"]]
-            users = [{node for node, i in b.clients.get(v, []) if isinstance(node.op, MlxAffineMatmul) and i == k + 1}
-                     for k, v in enumerate(parts)]  # fmt: skip
-            others = [(node.op, i) for v in parts for node, i in b.clients.get(v, [])
-                      if not (isinstance(node.op, MlxAffineMatmul) and node.inputs[1:] == parts)]  # fmt: skip
-            for op, i in others:
-                f.append(
-                    f"the packed {name} (MLX_AFFINE) reaches {op} (input {i}), not an MlxAffineMatmul of its parts"
-                )
-            for node in users[0]:
-                n += 1
-                if (node.op.n_out, node.op.n_in) != shape:
-                    f.append(f"{name} is MLX_AFFINE {shape} but reaches {node.op}")
+            gathered = [set() for _ in parts]
+            for k, v in enumerate(parts):
+                for node, i in b.clients.get(v, []):
+                    if isinstance(node.op, MlxAffineMatmul) and i == k + 1 and node.inputs[1:] == parts:
+                        n += k == 0
+                        if k == 0 and (node.op.n_out, node.op.n_in) != shape:
+                            f.append(f"{name} is MLX_AFFINE {shape} but reaches {node.op}")
+                    elif isinstance(node.op, AdvancedSubtensor) and i == 0 and roles.get(name) in ROW_ROLES:
+                        gathered[k].add(node.inputs[1])
+                    else:
+                        f.append(f"the packed {name} (MLX_AFFINE) reaches {node.op} (input {i}), not an "
+                                 "MlxAffineMatmul of its parts or a gather of rows")  # fmt: skip
+            if any(g != gathered[0] for g in gathered):
+                f.append(f"the packed {name} (MLX_AFFINE): its rows, scales and biases are gathered by other rows")
+            n += len(gathered[0])
             continue
         for node, i in b.clients.get(b.weights[name], []):
             op = node.op

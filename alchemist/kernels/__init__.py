@@ -60,7 +60,7 @@ import numpy as np
 
 from alchemist.kernels.formats import BLOCK_SIZES, SUPPORTED_TYPES, block_size, dequantize_rows, row_bytes
 from alchemist.kernels.gelu import gelu_table
-from alchemist.kernels.mlx_affine import MlxAffineMatmul, mlx_affine_linear
+from alchemist.kernels.mlx_affine import MlxAffineMatmul, mlx_affine_linear, mlx_affine_rows
 from alchemist.kernels.primitives import Primitives
 from alchemist.kernels.op import (
     QuantizedEmbedding,
@@ -85,6 +85,7 @@ __all__ = [
     "dequantize_then_dot",
     "gelu_table",
     "mlx_affine_linear",
+    "mlx_affine_rows",
     "quantized_embedding",
     "quantized_expert_linear",
     "quantized_linear",

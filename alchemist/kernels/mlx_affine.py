@@ -1,6 +1,7 @@
 """`MlxAffineMatmul`: y = x @ W.T for W in MLX's affine quantization (mlx-lm's default), kept packed.
 
     y = mlx_affine_linear(x, w, scales, biases, bits=4, group=64, n_out=..., n_in=...)
+    e = mlx_affine_rows(w, scales, biases, tokens, bits=4, group=64, n_in=...)  # rows of a quantized table
 
 w (n_out, n_in · bits / 32) uint32: each row's values end to end, `bits` each, least significant bit first (3- and
 6-bit values may straddle two words); scales and biases (n_out, n_in / group) float32; a weight is
@@ -67,8 +68,10 @@ def dequantize_graph(w, scales, biases, bits: int, group: int, n_in: int):
         q = (stream.reshape((rows, n_in, bits)) * pt.constant(u32(2) ** np.arange(bits, dtype=u32))).sum(
             axis=-1, dtype="uint32", acc_dtype="uint32"
         )
-    groups = pt.cast(q, "float32").reshape((rows, n_in // group, group))
-    return (groups * scales[:, :, None] + biases[:, :, None]).reshape((rows, n_in))
+    # each value's group by a constant column index (no reshape of a row into its groups: the auditor's head
+    # analysis reads a reshape of a row as a split into heads)
+    column_group = pt.constant(np.arange(n_in, dtype=np.int64) // group)
+    return pt.cast(q, "float32") * scales[:, column_group] + biases[:, column_group]
 
 
 class MlxAffineMatmul(COp):
@@ -198,6 +201,12 @@ class MlxAffineMatmul(COp):
 def mlx_affine_linear(x, w, scales, biases, bits: int, group: int, n_out: int, n_in: int):
     """x (T, n_in) float32 @ dequant(w).T -> (T, n_out) float32 for an MLX affine-quantized weight (see above)."""
     return MlxAffineMatmul(bits, group, n_out, n_in)(x, w, scales, biases)
+
+
+def mlx_affine_rows(w, scales, biases, rows, bits: int, group: int, n_in: int):
+    """Rows `rows` (an integer vector) of an MLX affine-quantized table, dequantized: (T, n_in) float32. The rows are
+    read packed and dequantized in the graph (the table's other rows are never decoded), on every backend."""
+    return dequantize_graph(w[rows], scales[rows], biases[rows], bits, group, n_in)
 
 
 @node_rewriter([MlxAffineMatmul])

@@ -172,6 +172,17 @@ def _stacked(entries: dict, stacks, files) -> tuple[dict, dict, dict]:
     return out, parts, names
 
 
+def _padded(shape: tuple, transform: tuple, key: str | None, config: dict, file, hf_name: str) -> tuple:
+    """(shape, transform) of a table the converter pads with zero rows up to config[key] (SnapshotSpec.pad_rows):
+    the padded shape and ("pad_rows", n); as they were when it has them all."""
+    wanted = config.get(key) if key else None
+    if wanted is None or wanted == shape[0]:
+        return tuple(shape), transform
+    if not (isinstance(wanted, int) and wanted > shape[0]) or transform:
+        raise SnapshotError(str(file), f"tensor {hf_name!r}", f"has {shape[0]} rows, more than {key} {wanted!r}")
+    return (wanted, *shape[1:]), ("pad_rows", wanted - shape[0])
+
+
 def _stacked_quantized(config, config_path, name: str, members: list, quantized: set, entries: dict, files):
     """(the dequantized stacked shape, quant) of a stack of MLX-quantized tensors: the same bits, group size and
     shape in each, their scales and biases one region a part, in the stack's order."""
@@ -273,7 +284,7 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
     originals = entries
     entries, stacked, stacked_names = _stacked(entries, family.snapshot.stacks, files)
     tensors: dict[str, TensorInfo] = {}
-    unknown = []
+    unknown, pad_rows = [], dict(family.snapshot.pad_rows)
     for hf_name, (i, e) in entries.items():
         module = hf_name.rsplit(".", 1)[0]
         if module in quantized and not hf_name.endswith(".weight"):
@@ -302,13 +313,15 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
             continue
         if module in quantized:
             shape, quant = _mlx_quantized(config, config_path, module, e, entries, files)
+            shape, transform = _padded(shape, transform, pad_rows.get(name), text, files[i], hf_name)
             tensors[name] = TensorInfo(
                 name, "MLX_AFFINE", tuple(reversed(shape)), e.start, e.nbytes, i, transform, quant
             )
             continue
         if e.dtype == "U32":
             raise SnapshotError(str(files[i]), f"tensor {hf_name!r}", "is uint32 (packed) but has no .scales beside it")
-        ne, parts = tuple(reversed(e.shape)), stacked.get(hf_name, ())
+        shape, transform = _padded(e.shape, transform, pad_rows.get(name), text, files[i], hf_name)
+        ne, parts = tuple(reversed(shape)), stacked.get(hf_name, ())
         tensors[name] = TensorInfo(name, DTYPES[e.dtype][0], ne, e.start, e.nbytes, i, transform, (), parts)
     if unknown:
         shown = ", ".join(repr(n) for n in unknown[:8]) + (
