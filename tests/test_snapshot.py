@@ -405,7 +405,7 @@ def test_inference_on_a_snapshot_takes_text(tiny_gguf, tiny_dir, tmp_path):
     assert out.output == ours.tokenizer.decode(out.output_token_ids)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3moe", "gemma3n"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen3moe", "gemma3n"])
 def test_an_mlx_quantized_snapshot_reads_as_mlx_dequantizes_and_validates(tiny_gguf, tmp_path, arch):
     """A snapshot quantized by mlx-lm's own quantizer (4 bits, groups of 32; the down projections 8 bits in groups
     of 64 by a per-layer override; qwen3moe's stacked experts and gemma3n's AltUp projections, quantized one by one
