@@ -19,10 +19,11 @@ def test_local_includes_are_inlined_and_system_ones_kept():
 
 
 def test_every_source_file_is_used():
-    from alchemist.kernels import attention, c_kernels, gelu, jax_ffi, native, rms_norm, rope, silu
+    from alchemist.kernels import attention, c_kernels, gelu, jax_ffi, mlx_affine, native, rms_norm, rope, silu
 
     used = {"v_expf.h", "v_expf_includes.h", jax_ffi._HANDLERS}
-    compiled = [c_kernels.C_SOURCE, attention.ATTENTION_C, silu.SILU_C, gelu.GELU_C, rms_norm.RMS_NORM_C, rope.ROPE_C]
+    compiled = [c_kernels.C_SOURCE, attention.ATTENTION_C, silu.SILU_C, gelu.GELU_C, rms_norm.RMS_NORM_C, rope.ROPE_C,
+                mlx_affine.C_SOURCE]  # fmt: skip
     for path in sorted(sources.CSRC.iterdir()):
         text = sources.source(path.name)
         if any(text.split("/*Q5_HIGH_BITS*/")[0] in c for c in compiled):  # the matmul's table is generated
