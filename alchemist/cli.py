@@ -349,6 +349,7 @@ def _cmd_validate(args) -> int:
         context=args.context,
         numerics=_numerics(args),
         oracle=args.oracle,
+        gguf=args.gguf,
     )
     stem = module_slug(Path(args.model).name) + _numerics_suffix(report["numerics"])
     paths = write_validation(report, args.output, stem)
@@ -591,6 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--oracle", default="llama.cpp", choices=("llama.cpp", "mlx-lm"),
                    help="llama.cpp (a GGUF file) or mlx-lm (a snapshot directory; exact numerics)")  # fmt: skip
+    p.add_argument("--gguf", default=None, help="with --oracle mlx-lm: the snapshot's GGUF conversion; the prompt's "
+                   "logits of alchemist, mlx-lm and llama.cpp compared side by side")  # fmt: skip
     p.add_argument("--backend", default="all", help="all, or a comma-separated list of c,numba,jax,mlx")
     p.add_argument("--prompt", default=None, help="prompt text (default: a fixed sentence)")
     p.add_argument("--tokens", help="comma-separated prompt token ids instead of --prompt")

@@ -220,6 +220,29 @@ def test_gemma3n_per_layer_embeddings_of_fewer_rows_are_padded_with_zeros(tiny_g
     assert float(((ours - theirs) ** 2).sum() / (theirs**2).sum()) <= THRESHOLDS["exact_nmse"]
 
 
+def test_a_snapshot_and_its_gguf_conversion_three_ways(tiny_gguf, tmp_path, capsys):
+    """`alchemist validate SNAPSHOT --oracle mlx-lm --gguf CONVERSION`: alchemist, mlx-lm and llama.cpp side by side.
+    For llama the three agree; for gemma3n the two oracles differ (the sparsity's std over n in Hugging Face's
+    model, n - 1 in llama.cpp's) and alchemist's snapshot module is mlx-lm's model, not llama.cpp's."""
+    from alchemist.cli import main
+
+    for arch in ("llama", "gemma3n"):
+        snap = snapshot_from_gguf(tiny_gguf(arch), tmp_path / arch)
+        out = tmp_path / f"{arch}-report"
+        assert main(["validate", str(snap), "--oracle", "mlx-lm", "--gguf", str(tiny_gguf(arch)), "--backend", "c",
+                     "--tokens", "1,40,300,7,99,260,45,45,3,128", "--generate", "2", "-o", str(out)]) == 0  # fmt: skip
+        report = json.loads(next(out.glob("*.json")).read_text())
+        pairs = report["three_way"]["pairs"]
+        assert pairs["alchemist vs mlx-lm"]["logits_nmse"] <= 1e-10
+        disagree = pairs["mlx-lm vs llama.cpp"]["logits_nmse"]
+        assert (
+            (disagree <= 1e-10) if arch == "llama" else (disagree > 1e3 * pairs["alchemist vs mlx-lm"]["logits_nmse"])
+        )
+        assert pairs["alchemist vs llama.cpp"]["logits_nmse"] == pytest.approx(disagree, rel=0.1, abs=1e-10)
+        assert "| mlx-lm vs llama.cpp |" in next(out.glob("*.md")).read_text()
+    capsys.readouterr()
+
+
 def test_the_writer_and_reader_agree_on_layout(tmp_path):
     """write_safetensors (the fixtures') lays tensors out as the safetensors library does; the reader finds each."""
     from alchemist.snapshot import read_safetensors

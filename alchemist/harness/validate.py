@@ -359,11 +359,13 @@ def validate_model(
     llamacpp_rounding: bool = False,
     numerics: str | None = None,
     oracle: str = "llama.cpp",
+    gguf: str | None = None,
 ) -> dict:
     """Validate `path` on each backend computing with `numerics` (default "ggml"; llamacpp_rounding=True is
     the older spelling of "ggml"); an "exact" backend that fails gets an attribution (attribute_to_rounding).
     `oracle`: "llama.cpp" (a GGUF file), or "mlx-lm" (a snapshot directory: logits and greedy steps, exact
-    numerics, no named intermediates)."""
+    numerics, no named intermediates). `gguf`: with mlx-lm, the snapshot's GGUF conversion: the prompt's logits of
+    alchemist (the first backend), mlx-lm and llama.cpp compared pairwise (report["three_way"])."""
     from alchemist.harness.mlx_oracle import MlxLmOracle
     from alchemist.harness.oracle import LlamaCppOracle
 
@@ -404,8 +406,33 @@ def validate_model(
                 res["attribution"] = attribute_to_rounding(path, backend, reference, prompt, n_generate, context)
                 if progress:
                     progress(f"{backend}: " + attribution_text(res["attribution"]))
+    if gguf is not None:
+        if not mlx:
+            raise AlchemistError("--gguf compares a snapshot with its GGUF conversion: it needs --oracle mlx-lm")
+        report["three_way"] = three_way(loaded, backends[0], path, gguf, prompt, context, n_threads)
     report["passed"] = all(r["passed"] for r in report["backends"].values())
     return report
+
+
+def three_way(loaded, backend: str, snapshot: str, gguf: str, prompt: list[int], context: int, n_threads=None) -> dict:
+    """The prompt's logits of alchemist (on `backend`, from the snapshot), mlx-lm (the snapshot) and llama.cpp (its
+    GGUF conversion), each pair compared: where the two oracles differ, the report shows which one alchemist's
+    model is (gemma3n's activation sparsity: Hugging Face's std over n, llama.cpp's over n - 1)."""
+    from alchemist.harness.mlx_oracle import MlxLmOracle
+    from alchemist.harness.oracle import LlamaCppOracle
+
+    engine = loaded.engine(backend, context)
+    logits = {"alchemist": np.asarray(engine.run(prompt, 0, all_logits=True), np.float32)}
+    with MlxLmOracle(snapshot) as mlx:
+        logits["mlx-lm"] = mlx.logits(prompt)
+    with LlamaCppOracle(gguf, n_ctx=context, n_threads=n_threads) as llama:
+        logits["llama.cpp"] = llama.logits(prompt)
+    pairs = {}
+    for a, b in (("alchemist", "mlx-lm"), ("alchemist", "llama.cpp"), ("mlx-lm", "llama.cpp")):
+        m = compare_logits(logits[a], logits[b])
+        pairs[f"{a} vs {b}"] = {"logits_nmse": float(np.mean(m.nmse)), "mean_kl": m.mean_kl,
+                                "top1_agree": m.n_top1_agree, "n_positions": m.n_positions}  # fmt: skip
+    return {"backend": backend, "gguf": str(gguf), "pairs": pairs}
 
 
 def validate_generation(model, prompt: list[int], out_ids: list[int]) -> dict:
@@ -470,6 +497,12 @@ def to_markdown(report: dict) -> str:
                 for row in a["layers"]
             ]
         lines += ["", chart_markdown(r, f"{b} backend: KL, Pearson and top-1/top-10 per position")]
+    if report.get("three_way"):
+        t = report["three_way"]
+        lines += ["", f"The prompt's logits three ways (alchemist on {t['backend']}, mlx-lm, llama.cpp on `{t['gguf']}`):",
+                  "", "| pair | logits NMSE | mean KL | top-1 agree |", "| --- | --- | --- | --- |"]  # fmt: skip
+        lines += [f"| {pair} | {v['logits_nmse']:.2e} | {v['mean_kl']:.2e} | {v['top1_agree']}/{v['n_positions']} |"
+                  for pair, v in t["pairs"].items()]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
