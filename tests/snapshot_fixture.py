@@ -172,7 +172,8 @@ def snapshot_from_gguf(gguf_path, out_dir, dtype: str = "F32", shards: int = 1, 
     return out
 
 
-def mlx_quantized(snapshot, out_dir, bits: int = 4, group_size: int = 32, overrides=None) -> Path:
+def mlx_quantized(snapshot, out_dir, bits: int | None = 4, group_size: int | None = 32, overrides=None,
+                  mode: str = "affine") -> Path:  # fmt: skip
     """The snapshot quantized by mlx-lm's own quantizer (affine; `overrides`: {module path suffix: {"bits",
     "group_size"}}), saved as mlx-lm saves it: the packed weights with their scales and biases, and config.json's
     `quantization`."""
@@ -184,7 +185,9 @@ def mlx_quantized(snapshot, out_dir, bits: int = 4, group_size: int = 32, overri
         return next((v for suffix, v in overrides.items() if path.endswith(suffix)), True)
 
     model, config = load_model(Path(snapshot))
-    model, config = quantize_model(model, config, group_size=group_size, bits=bits, quant_predicate=predicate)
+    model, config = quantize_model(
+        model, config, group_size=group_size, bits=bits, mode=mode, quant_predicate=predicate
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_model(out, model)

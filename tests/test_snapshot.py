@@ -508,13 +508,60 @@ def test_load_llm_on_mlx_multiplies_an_mlx_snapshot_with_mlx_quantized_matmul(ti
     assert report["passed"] and result["quantized_kernels"] and result["greedy"]["n_agree"] == 8, result["failures"]
 
 
+@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8", "nvfp4"])
+def test_an_mlx_float_mode_snapshot_reads_as_mlx_dequantizes_and_validates(tiny_gguf, tmp_path, mode):
+    """mlx-lm's float quantization modes (E2M1 or E4M3 values, E8M0 or E4M3 scales per group of 32 or 16, no
+    biases): every weight loads as mx.dequantize gives it, bit for bit (as float32: no kernel multiplies them
+    packed yet); the module passes its audit; against mlx-lm the logits hold the bar and 8 greedy steps agree."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from alchemist.audit import audit_module
+    from alchemist.harness.validate import validate_model
+    from alchemist.runtime.api import write_generated
+    from alchemist.runtime.engine import import_generated
+    from snapshot_fixture import mlx_quantized
+
+    q = mlx_quantized(snapshot_from_gguf(tiny_gguf("qwen3"), tmp_path / "snap"), tmp_path / mode, bits=None,
+                      group_size=None, mode=mode)  # fmt: skip
+    ir = build_model_ir(read_snapshot(q))
+    assert {t.ggml_type for t in ir.tensors} == {"F32", f"MLX_{mode.upper()}"} and not any(t.kernel for t in ir.tensors)
+    path = write_generated(ir, tmp_path / "gen")
+    assert audit_module(path, gguf_path=q, ir=ir).passed
+    ours = import_generated(path).load_weights(str(q))
+    model, _ = load_model(q)
+    params = dict(tree_flatten(model.parameters()))
+    compared = 0
+    for module in (n.removesuffix(".scales") for n in params if n.endswith(".scales")):
+        want = np.array(mx.dequantize(params[module + ".weight"], params[module + ".scales"], None, mode=mode,
+                                      dtype=mx.float32))  # fmt: skip
+        got = [v for name, v in ours.items() if v.shape == want.shape and np.array_equal(v, want, equal_nan=True)]
+        compared += bool(got)
+        assert got, module
+    assert compared >= 7 * ir.n_layer
+    report = validate_model(str(q), ["c"], n_generate=8, context=64, oracle="mlx-lm", progress=None)
+    result = report["backends"]["c"]
+    assert report["passed"] and result["greedy"]["n_agree"] == 8, result["failures"]
+
+
 def test_an_mlx_quantized_snapshot_that_says_too_little_is_refused_by_key(tiny_gguf, tmp_path):
     from snapshot_fixture import mlx_quantized
 
     q4 = mlx_quantized(snapshot_from_gguf(tiny_gguf("qwen3"), tmp_path / "snap"), tmp_path / "q4")
     config = json.loads((q4 / "config.json").read_text())
     for changed, error, mention in (
-        ({"quantization": {**config["quantization"], "mode": "mxfp4"}}, UnsupportedModelError, "mode 'mxfp4'"),
+        ({"quantization": {**config["quantization"], "mode": "q9"}}, UnsupportedModelError, "mode 'q9'"),
+        (
+            {"quantization": {**config["quantization"], "mode": "mxfp4", "group_size": 16}},
+            SnapshotError,
+            "for mode 'mxfp4'",
+        ),
+        (
+            {"quantization": {**config["quantization"], "mode": "mxfp4"}},
+            SnapshotError,
+            r"scales: is F32 \[512, 8\], not U8",
+        ),
         ({"quantization": None, "quantization_config": None}, SnapshotError, "quantization"),
         ({"quantization": {**config["quantization"], "bits": 9}}, SnapshotError, "bits 9"),
         ({"quantization": {**config["quantization"], "bits": 8}}, SnapshotError, r"scales: is F32 \[512, 8\], not"),

@@ -42,7 +42,8 @@ from alchemist.kernels.formats import NOT_IN_GGUF_PY
 from alchemist.kernels.formats import SUPPORTED_TYPES as KERNEL_TYPES
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # weights loaded as float32 (every quantized one is a kernel type)
-SNAPSHOT_TYPES = ("MLX_AFFINE",)  # a snapshot's MLX-quantized weights: projections packed, the rest float32
+# a snapshot's MLX-quantized weights: affine projections and tables packed, the rest (and the float modes) float32
+SNAPSHOT_TYPES = ("MLX_AFFINE", "MLX_MXFP4", "MLX_MXFP8", "MLX_NVFP4")
 
 EPS_KEYS = {NormKind.RMS: "attention.layer_norm_rms_epsilon", NormKind.LAYER: "attention.layer_norm_epsilon"}
 

@@ -370,7 +370,7 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
         if isinstance(transform, tuple) and transform[:1] == ("pad_rows",) and _is_int(transform[1]):
             shape = (shape[0] - transform[1], *shape[1:])  # stored without the zero rows its loader appends
         mlx = src.constant("MLX_QUANTIZED") or {}
-        if gtype == "MLX_AFFINE" and name in mlx:  # a snapshot's packed values: `bits` per value
+        if str(gtype).startswith("MLX_") and name in mlx:  # a snapshot's packed values: `bits` per value
             bits = mlx[name][0] if isinstance(mlx[name], tuple) and mlx[name] and _is_int(mlx[name][0]) else 0
             if not 1 <= bits <= 8 or math.prod(shape) * bits != nbytes * 8:
                 f.append(f"TENSORS[{name!r}]: {nbytes} bytes are not {shape} values of MLX_QUANTIZED's {bits} bits")
@@ -402,8 +402,11 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
                 regions.append((offset, offset + nbytes, f"{name} (part {k})"))
                 placed[f"{name} (part {k})"] = file
         for name, quant in (src.constant("MLX_QUANTIZED") or {}).items():  # its scales and biases: regions too
+            float_mode = (tensors.get(name) or ("",))[0] in ("MLX_MXFP4", "MLX_MXFP8", "MLX_NVFP4")
             for i, parts in enumerate(quant[2:] if isinstance(quant, tuple) else ()):
                 what = ("scales", "biases")[i] if i < 2 else f"part {i}"
+                if float_mode and i == 1 and parts == ():  # the float modes have no biases
+                    continue
                 if not (isinstance(parts, tuple) and parts):
                     f.append(f"MLX_QUANTIZED[{name!r}] {what} are not regions (file, offset, nbytes, type)")
                     continue

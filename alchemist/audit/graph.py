@@ -158,6 +158,37 @@ def _mlx_reference(packed: np.ndarray, shape, bits: int, group: int, scales, bia
     return out.reshape(shape)
 
 
+def _minifloat(code: int, exponent_bits: int, mantissa_bits: int, bias: int, nan_code: int | None) -> float:
+    """A small float's value from its code (sign, exponent, mantissa; subnormal at exponent 0)."""
+    sign = -1.0 if code >> (exponent_bits + mantissa_bits) else 1.0
+    e, m = (code >> mantissa_bits) & ((1 << exponent_bits) - 1), code & ((1 << mantissa_bits) - 1)
+    if nan_code is not None and code & ((1 << (exponent_bits + mantissa_bits)) - 1) == nan_code:
+        return math.nan
+    if e == 0:
+        return sign * math.ldexp(m, 1 - bias - mantissa_bits)
+    return sign * math.ldexp((1 << mantissa_bits) + m, e - bias - mantissa_bits)
+
+
+def _mlx_float_reference(packed: np.ndarray, shape, gtype: str, scales) -> np.ndarray:
+    """MLX's float modes element by element (the OCP MX formats): an E2M1 (fp4) or E4M3 (fp8) value times its group's
+    scale, E8M0 (2^(code - 127), 255 NaN) for mxfp4 and mxfp8, E4M3 for nvfp4 (groups of 16)."""
+    e2m1 = lambda c: _minifloat(c, 2, 1, 1, None)  # noqa: E731
+    e4m3 = lambda c: _minifloat(c, 4, 3, 7, 127)  # noqa: E731
+    e8m0 = lambda c: math.nan if c == 255 else math.ldexp(1.0, c - 127)  # noqa: E731
+    value, bits, scale, group = {"MLX_MXFP4": (e2m1, 4, e8m0, 32), "MLX_MXFP8": (e4m3, 8, e8m0, 32),
+                                 "MLX_NVFP4": (e2m1, 4, e4m3, 16)}[gtype]  # fmt: skip
+    rows, n = math.prod(shape[:-1]), shape[-1]
+    out = np.empty((rows, n), np.float32)
+    packed = packed.reshape(rows, -1)
+    with np.errstate(over="ignore", invalid="ignore"):  # a huge scale overflows to inf, as in MLX
+        for r in range(rows):
+            stream = int.from_bytes(packed[r].tobytes(), "little")
+            for j in range(n):
+                q = (stream >> (j * bits)) & ((1 << bits) - 1)
+                out[r, j] = np.float32(value(q)) * np.float32(scale(int(scales[r, j // group])))
+    return out.reshape(shape)
+
+
 def probe_snapshot_loader(module, tensors: dict, kernel: set) -> list[str]:
     """Run a snapshot module's load_weights on a synthetic directory (random values in two files, gaps between
     regions) and compare what it returns with gguf's decoding of the same bytes, after each tensor's transform;
@@ -176,18 +207,21 @@ def probe_snapshot_loader(module, tensors: dict, kernel: set) -> list[str]:
         if transforms.get(name, ())[:1] == ("pad_rows",):  # stored with fewer rows, padded with zeros by the loader
             small = (small[0] - transforms[name][1], *small[1:])
         file = k % 2
-        if gtype == "MLX_AFFINE":  # packed values in one file, their float32 scales and biases in the other
+        if gtype.startswith("MLX_"):  # packed values in one file, their scales (and biases) in the other
             bits, group = mlx[name][:2]
             rows, n = math.prod(small[:-1]), small[-1]
             data = rng.integers(0, 256, rows * n * bits // 8, dtype=np.uint8)
             parts = []
-            for _ in range(2):
-                values = rng.standard_normal(rows * (n // group)).astype(np.float32)
+            for _ in range(2 if gtype == "MLX_AFFINE" else 1):  # float32 scales and biases, or uint8 scale codes
+                values = (rng.standard_normal(rows * (n // group)).astype(np.float32) if gtype == "MLX_AFFINE"
+                          else rng.integers(0, 256, rows * (n // group), dtype=np.uint8))  # fmt: skip
                 blobs[1 - file] += bytes(4 * int(rng.integers(0, 3)))
-                parts.append(((1 - file, len(blobs[1 - file]), values.nbytes, "F32"),))
+                parts.append(
+                    ((1 - file, len(blobs[1 - file]), values.nbytes, "F32" if values.itemsize == 4 else "U8"),)
+                )
                 blobs[1 - file] += values.tobytes()
                 raw[name, len(parts)] = values.reshape(rows, n // group)
-            quant[name] = (bits, group, *parts)
+            quant[name] = (bits, group, *parts, *([()] if len(parts) == 1 else []))
             blobs[file] += bytes(4 * int(rng.integers(0, 3)))
             table[name] = (gtype, padded, len(blobs[file]), data.nbytes)
             placed[name] = (file, transforms.get(name, ()))
@@ -239,6 +273,8 @@ def probe_snapshot_loader(module, tensors: dict, kernel: set) -> list[str]:
                 stored = (small[0] - pad, *small[1:])
                 if gtype == "MLX_AFFINE":
                     want = _mlx_reference(raw[name], stored, *quant[name][:2], raw[name, 1], raw[name, 2])
+                elif gtype.startswith("MLX_"):
+                    want = _mlx_float_reference(raw[name], stored, gtype, raw[name, 1])
                 else:
                     want = dequantize(raw[name].reshape(stored[:-1] + (-1,)), GGMLQuantizationType[gtype])
                 want = want.astype(np.float32).reshape(stored)

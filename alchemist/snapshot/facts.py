@@ -41,6 +41,10 @@ COMMON_CONFIG = (
 )
 MAX_CONFIG_BYTES = 1 << 20
 MAX_LIST = 4096  # a per-layer list in config.json: at most this many entries
+# MLX's quantization modes: mode -> (the weight's type, (bits, group size) the mode fixes, or None: config's). affine:
+# w = scale · q + bias; mxfp4 / mxfp8: w = E2M1 / E4M3 value · 2^(E8M0 scale - 127); nvfp4: E2M1 · E4M3 scale
+MLX_MODES = {"affine": ("MLX_AFFINE", None), "mxfp4": ("MLX_MXFP4", (4, 32)), "mxfp8": ("MLX_MXFP8", (8, 32)),
+             "nvfp4": ("MLX_NVFP4", (4, 16))}  # fmt: skip
 
 
 @dataclass
@@ -190,10 +194,11 @@ def _stacked_quantized(config, config_path, name: str, members: list, quantized:
     if not all(m in quantized for m in members):
         raise SnapshotError(where, f"tensor {name!r}", "stacks quantized and unquantized tensors")
     each = [_mlx_quantized(config, config_path, m, entries[m + ".weight"][1], entries, files) for m in members]
-    if len({(shape, quant[:2]) for shape, quant in each}) != 1:
+    if len({(shape, quant[:2], gtype) for shape, quant, gtype in each}) != 1:
         raise SnapshotError(where, f"tensor {name!r}", "stacks tensors quantized with different bits, groups or shapes")
-    shape, (bits, group, _, _) = each[0]
-    return (len(each), *shape), (bits, group, sum((q[2] for _, q in each), ()), sum((q[3] for _, q in each), ()))
+    shape, (bits, group, _, _), gtype = each[0]
+    scales, biases = sum((q[2] for _, q, _ in each), ()), sum((q[3] for _, q, _ in each), ())
+    return (len(each), *shape), (bits, group, scales, biases), gtype
 
 
 def _mlx_quantized(config: dict, config_path, module: str, e, entries: dict, files) -> tuple[tuple, tuple]:
@@ -210,10 +215,15 @@ def _mlx_quantized(config: dict, config_path, module: str, e, entries: dict, fil
         raise SnapshotError(where, f"quantization.{module}", "says the module is not quantized, but it has .scales")
     bits, group, mode = own.get("bits", q.get("bits")), own.get("group_size", q.get("group_size")), own.get("mode")
     mode = mode or q.get("mode") or "affine"
-    if mode != "affine":
-        raise UnsupportedModelError(f"{where}: quantization.mode {mode!r} of {module} is not read yet (affine is)")
-    if not (isinstance(bits, int) and 1 <= bits <= 8 and isinstance(group, int) and group > 0):
-        raise SnapshotError(where, f"quantization ({module})", f"bits {bits!r} and group_size {group!r} are not valid")
+    if mode not in MLX_MODES:
+        raise UnsupportedModelError(f"{where}: quantization.mode {mode!r} of {module} is not read "
+                                    f"(read: {', '.join(MLX_MODES)})")  # fmt: skip
+    gtype, fixed = MLX_MODES[mode]
+    bits, group = (bits or fixed[0], group or fixed[1]) if fixed else (bits, group)
+    valid = isinstance(bits, int) and 1 <= bits <= 8 and isinstance(group, int) and group > 0
+    if not valid or fixed is not None and (bits, group) != fixed:
+        raise SnapshotError(where, f"quantization ({module})", f"bits {bits!r} and group_size {group!r} are not valid"
+                            + (f" for mode {mode!r} ({fixed[0]} bits, groups of {fixed[1]})" if fixed else ""))  # fmt: skip
     weight_file = str(files[entries[module + ".weight"][0]])
     if e.dtype != "U32" or len(e.shape) < 2 or (e.shape[-1] * 32) % bits:
         raise SnapshotError(weight_file, f"tensor {module}.weight", f"is {e.dtype} {list(e.shape)}, not packed uint32")
@@ -224,16 +234,21 @@ def _mlx_quantized(config: dict, config_path, module: str, e, entries: dict, fil
         )
     want = (*e.shape[:-1], n_in // group)
     parts = []
-    for part in ("scales", "biases"):
+    for part in ("scales", "biases") if fixed is None else ("scales",):  # the float modes have no biases
         if module + "." + part not in entries:
-            raise SnapshotError(weight_file, f"tensor {module}.{part}", "is missing (affine quantization has both)")
+            raise SnapshotError(weight_file, f"tensor {module}.{part}", f"is missing ({mode} quantization has it)")
         j, p = entries[module + "." + part]
-        if p.shape != want or p.dtype not in ("F32", "F16", "BF16"):
+        allowed = ("F32", "F16", "BF16") if fixed is None else ("U8",)
+        if p.shape != want or p.dtype not in allowed:
             raise SnapshotError(
-                str(files[j]), f"tensor {module}.{part}", f"is {p.dtype} {list(p.shape)}, not {list(want)}"
+                str(files[j]),
+                f"tensor {module}.{part}",
+                f"is {p.dtype} {list(p.shape)}, not {'/'.join(allowed)} {list(want)}",
             )
         parts.append(((j, p.start, p.nbytes, p.dtype),))  # one region (a stacked weight: one a part)
-    return (*e.shape[:-1], n_in), (bits, group, *parts)
+    if fixed is not None and module + ".biases" in entries:
+        raise SnapshotError(weight_file, f"tensor {module}.biases", f"is there, but {mode} quantization has none")
+    return (*e.shape[:-1], n_in), (bits, group, *parts, *([()] if fixed else [])), gtype
 
 
 def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
@@ -306,17 +321,15 @@ def read_snapshot(path: str | os.PathLike) -> SnapshotFacts:
             transform = ("plus_one",)  # Gemma's x · (1 + w), stored as 1 + w in GGUF
         members = [n.rsplit(".", 1)[0] for n in stacked_names.get(hf_name, ())]
         if members and any(m in quantized for m in members):  # a stack of quantized tensors (gemma3n's AltUp)
-            shape, quant = _stacked_quantized(config, config_path, hf_name, members, quantized, originals, files)
+            shape, quant, gtype = _stacked_quantized(config, config_path, hf_name, members, quantized, originals, files)
             tensors[name] = TensorInfo(
-                name, "MLX_AFFINE", tuple(reversed(shape)), e.start, e.nbytes, i, transform, quant, stacked[hf_name]
+                name, gtype, tuple(reversed(shape)), e.start, e.nbytes, i, transform, quant, stacked[hf_name]
             )
             continue
         if module in quantized:
-            shape, quant = _mlx_quantized(config, config_path, module, e, entries, files)
+            shape, quant, gtype = _mlx_quantized(config, config_path, module, e, entries, files)
             shape, transform = _padded(shape, transform, pad_rows.get(name), text, files[i], hf_name)
-            tensors[name] = TensorInfo(
-                name, "MLX_AFFINE", tuple(reversed(shape)), e.start, e.nbytes, i, transform, quant
-            )
+            tensors[name] = TensorInfo(name, gtype, tuple(reversed(shape)), e.start, e.nbytes, i, transform, quant)
             continue
         if e.dtype == "U32":
             raise SnapshotError(str(files[i]), f"tensor {hf_name!r}", "is uint32 (packed) but has no .scales beside it")

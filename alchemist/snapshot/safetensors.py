@@ -20,8 +20,9 @@ from alchemist.errors import GGUFError
 
 MAX_HEADER = 100_000_000  # the safetensors library's MAX_HEADER_SIZE
 # the dtypes alchemist reads, as the GGUF float type of the same bytes (little-endian)
-DTYPES = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2), "U32": ("U32", 4)}  # U32: MLX's packed weights
-OTHER_DTYPES = {"BOOL", "U8", "I8", "I16", "U16", "I32", "I64", "U64", "F64", "C64", "F8_E5M2", "F8_E4M3",
+# U32: MLX's packed weights; U8: the 8-bit scales of its mxfp4, mxfp8 and nvfp4 modes
+DTYPES = {"F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2), "U32": ("U32", 4), "U8": ("U8", 1)}
+OTHER_DTYPES = {"BOOL", "I8", "I16", "U16", "I32", "I64", "U64", "F64", "C64", "F8_E5M2", "F8_E4M3",
                 "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}  # fmt: skip
 
 
