@@ -402,7 +402,8 @@ def _check_table(tensors: dict, kernel, src: ModuleSource, f: list[str]) -> None
                 regions.append((offset, offset + nbytes, f"{name} (part {k})"))
                 placed[f"{name} (part {k})"] = file
         for name, quant in (src.constant("MLX_QUANTIZED") or {}).items():  # its scales and biases: regions too
-            float_mode = (tensors.get(name) or ("",))[0] in ("MLX_MXFP4", "MLX_MXFP8", "MLX_NVFP4")
+            gtype = str((tensors.get(name) or ("",))[0])
+            float_mode = gtype.startswith("MLX_") and gtype != "MLX_AFFINE"  # mxfp4, mxfp8, nvfp4: scales only
             for i, parts in enumerate(quant[2:] if isinstance(quant, tuple) else ()):
                 what = ("scales", "biases")[i] if i < 2 else f"part {i}"
                 if float_mode and i == 1 and parts == ():  # the float modes have no biases

@@ -430,7 +430,7 @@ def three_way(loaded, backend: str, snapshot: str, gguf: str, prompt: list[int],
     pairs = {}
     for a, b in (("alchemist", "mlx-lm"), ("alchemist", "llama.cpp"), ("mlx-lm", "llama.cpp")):
         m = compare_logits(logits[a], logits[b])
-        pairs[f"{a} vs {b}"] = {"logits_nmse": float(np.mean(m.nmse)), "mean_kl": m.mean_kl,
+        pairs[f"{a} vs {b}"] = {"logits_nmse": float(nmse(logits[a], logits[b])), "mean_kl": m.mean_kl,
                                 "top1_agree": m.n_top1_agree, "n_positions": m.n_positions}  # fmt: skip
     return {"backend": backend, "gguf": str(gguf), "pairs": pairs}
 
