@@ -889,7 +889,9 @@ DRIVERS = {
 }
 
 
-@numba.njit(cache=True, fastmath=False, inline="always")
+# Called, not inlined: inlined at both of _qmatmul_rows's call sites, every type's loops made it ~3x larger, and Numba
+# re-optimizes a callee's whole module in every caller (about a minute per grid type, cold; now 15 s)
+@numba.njit(cache=True, fastmath=False)
 def dq_row(kind, row, n_in, out, n16):
     """Dequantize one row of n_in weights of type `kind` into out: the one dispatch of the embedding and the experts."""
     if kind == K_Q8_0:
