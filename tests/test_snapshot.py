@@ -336,8 +336,10 @@ def test_the_audit_catches_a_packed_module_that_reads_wrong(tiny_gguf, tmp_path,
     "arch,backend,dtype",
     [("llama", "c", "F32"), ("qwen3", "c", "F32"), ("gemma3", "c", "BF16"), ("qwen3moe", "c", "F32"),
      ("gemma3n", "c", "BF16"), ("llama", "numba", "F32"), ("qwen3", "numba", "F32"), ("gemma3", "numba", "BF16"),
-     ("qwen3moe", "numba", "F32"), ("gemma3n", "numba", "F32"), ("gemma3", "mlx", "BF16"), ("qwen3", "jax", "F16")],
+     ("qwen3moe", "numba", "F32"), ("gemma3", "mlx", "BF16"), ("qwen3", "jax", "F16")],
 )  # fmt: skip
+# gemma3n on C only: a snapshot's module differs from its GGUF's in the loader (and the sparsity's std divisor, a
+# graph op), and gemma3n's graph runs on Numba against llama.cpp in test_validation (three minutes more here)
 def test_a_snapshot_passes_validation_against_mlx_lm(tiny_gguf, tmp_path, arch, backend, dtype):
     """mlx-lm, a second and independent oracle (its own model classes over the snapshot, MLX on CPU; half-precision
     weights widened to float32 on both sides): the logits at every prompt position within the exact bar (NMSE <=
@@ -472,7 +474,8 @@ def test_an_mlx_quantized_snapshot_reads_as_mlx_dequantizes_and_validates(tiny_g
         compared += 1
     assert compared >= 4 * ir.n_layer
     # the projections packed through alchemist's kernels (the packed weights, not their float32 dequantization)
-    report = validate_model(str(q4), ["c", "numba"], n_generate=8, context=64, oracle="mlx-lm", progress=None)
+    backends = ["c"] if arch == "gemma3n" else ["c", "numba"]  # gemma3n: see test_a_snapshot_passes_validation...
+    report = validate_model(str(q4), backends, n_generate=8, context=64, oracle="mlx-lm", progress=None)
     for backend, result in report["backends"].items():
         assert result["passed"] and result["greedy"]["n_agree"] == 8, (backend, result["failures"])
         assert result["quantized_kernels"] and not result["exact_weights"], backend
