@@ -16,6 +16,7 @@ import pytensor.tensor as pt  # noqa: E402
 
 from alchemist.kernels.attention import (  # noqa: E402
     CausalAttentionGgml,
+    SlotAttentionGgml,
     attention_ggml_reference,
     attention_variant,
     causal_attention_formula,
@@ -102,6 +103,38 @@ def test_attention_op_is_ggmls_loops_bit_for_bit(name, op_class):
         assert got.shape == (n_seq * n_tok, n_head * dim)
         assert _bits_differ(got, want) == 0, (name, n_seq, n_tok, n_keys)
         np.testing.assert_allclose(got, np.asarray(formula_fn(*args)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ("gqa", "softcap+sinks", "odd"))
+def test_slot_attention_reads_in_place_what_the_op_reads_gathered(name):
+    """SlotAttentionGgml(q, caches, ..., slots) equals CausalAttentionGgml(q, caches[:, :S][slots], ...) to the bit
+    (C and perform), for slots in any order, S below the cache's rows, padding rows; a slot outside the cache is a
+    ValueError, not a read past it."""
+    (n_head, n_kv_head, dim, window, scale, softcap, has_sinks), cases = CASES[name]
+    rng = np.random.default_rng(7)
+    symbols = _symbols(has_sinks)
+    slots = pt.vector("slots", dtype="int64")
+    gathered = [symbols[1][:, : symbols[4].shape[1]][slots], symbols[2][:, : symbols[4].shape[1]][slots]]
+    props = (n_head, n_kv_head, dim, window, scale, softcap, has_sinks)
+    want_fn = pytensor.function(
+        [*symbols, slots], CausalAttentionGgml(*props)(symbols[0], *gathered, *symbols[3:]), mode=get_mode("c")
+    )
+    in_place = SlotAttentionGgml(*props)(*symbols[:5], slots, *symbols[5:])
+    fns = [
+        pytensor.function([*symbols, slots], in_place, mode=m)
+        for m in (get_mode("c"), pytensor.compile.mode.Mode(linker="py", optimizer=None))
+    ]
+    for n_seq, n_tok, n_keys, empty in cases:
+        n_slots, n_rows = n_seq + 2, n_keys + 5
+        q, _, _, q_pos, k_pos = _case(rng, n_seq, n_tok, n_keys, n_head, n_kv_head, dim, empty)
+        caches = [rng.standard_normal((n_slots, n_rows, n_kv_head, dim)).astype(np.float32) for _ in range(2)]
+        slot_ids = rng.permutation(n_slots)[:n_seq].astype(np.int64)
+        args = [q, *caches, q_pos, k_pos] + ([rng.standard_normal(n_head).astype(np.float32)] if has_sinks else [])
+        want = np.asarray(want_fn(*args, slot_ids))
+        for fn in fns:
+            assert _bits_differ(fn(*args, slot_ids), want) == 0, (name, n_seq, n_tok, n_keys)
+            with pytest.raises(ValueError):
+                fn(*args, np.full(n_seq, n_slots, np.int64))
 
 
 def test_v_expf_and_vec_dot_transcriptions():

@@ -99,17 +99,18 @@ def slot_module(tiny_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slot_engines(slot_module):
-    """slot_engines(arch, weight_type, backend) -> a warmed-up SlotEngine (3 slots, chunk 4, buckets (2, 4))."""
+    """slot_engines(arch, weight_type, backend[, numerics]) -> a warmed-up SlotEngine (3 slots, chunk 4, buckets
+    (2, 4))."""
     from alchemist.runtime.engine import Engine
     from alchemist.runtime.slot_engine import SlotEngine
 
     cache = {}
 
-    def get(arch, weight_type, backend):
-        key = (arch, weight_type, backend)
+    def get(arch, weight_type, backend, numerics="exact"):
+        key = (arch, weight_type, backend, numerics)
         if key not in cache:
             module, path = slot_module(arch, weight_type)
-            engine = Engine(module, module.load_weights(str(path), quantized=True), backend, CAPACITY)
+            engine = Engine(module, module.load_weights(str(path), quantized=True), backend, CAPACITY, numerics)
             slots = SlotEngine(engine, 3, chunk=4, decode_buckets=(2, 4))
             slots.warm_up()
             # stale values everywhere: a step must never read a row its sequence has not written
@@ -126,16 +127,19 @@ def slot_engines(slot_module):
 
 @pytest.fixture(scope="session")
 def reference_logits(slot_module):
-    """reference_logits(arch, weight_type, ids) -> the single-sequence Engine's logits of every position (C)."""
+    """reference_logits(arch, weight_type, ids[, numerics]) -> the single-sequence Engine's logits of every
+    position (C)."""
     from alchemist.runtime.engine import Engine
 
     engines = {}
 
-    def get(arch, weight_type, ids):
-        if (arch, weight_type) not in engines:
+    def get(arch, weight_type, ids, numerics="exact"):
+        key = (arch, weight_type, numerics)
+        if key not in engines:
             module, path = slot_module(arch, weight_type)
-            engines[arch, weight_type] = Engine(module, module.load_weights(str(path), quantized=True), "c", CAPACITY)
-        engine = engines[arch, weight_type]
+            weights = module.load_weights(str(path), quantized=True)
+            engines[key] = Engine(module, weights, "c", CAPACITY, numerics)
+        engine = engines[key]
         engine.reset()
         return engine.run(ids, 0, all_logits=True)
 
@@ -164,6 +168,29 @@ def test_batched_logits_equal_unbatched(slot_engines, reference_logits, arch, we
         want = reference_logits(arch, weight_type, seq)
         rows = sorted(got[i])
         assert rows == [b - 1 for _, b in se.chunk_plan(prefilled[i])] + list(range(prefilled[i], len(seq)))
+        ours = np.stack([got[i][r] for r in rows])
+        np.testing.assert_allclose(ours, want[rows], rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(ours.argmax(1), want[rows].argmax(1))
+
+
+def test_ggml_attention_reads_each_slots_rows_in_place(slot_engines, reference_logits):
+    """ggml numerics on C: every layer's attention is SlotAttentionGgml over the whole slot caches (no gathered
+    copy of any sequence's rows), and the batched steps (the sliding-window ring wrapping) give the single-sequence
+    ggml engine's logits."""
+    from pytensor.tensor.subtensor import AdvancedSubtensor
+
+    from alchemist.kernels.attention import SlotAttentionGgml
+
+    se = slot_engines("gemma3", "Q8_0", "c", "ggml")
+    seqs = _sequences(se.n_vocab)
+    got, _ = run_in_slots(se, seqs, [6, 9, 5])
+    for shape in se.stats.compiled_shapes:
+        nodes = _fgraph_nodes(se.step_function(*shape))
+        assert not [node for node in nodes if isinstance(node.op, AdvancedSubtensor) and node.inputs[0].ndim == 4]
+        assert sum(isinstance(node.op, SlotAttentionGgml) for node in nodes) == se.module.N_LAYER, shape
+    for i, seq in enumerate(seqs):
+        want = reference_logits("gemma3", "Q8_0", seq, "ggml")
+        rows = sorted(got[i])
         ours = np.stack([got[i][r] for r in rows])
         np.testing.assert_allclose(ours, want[rows], rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(ours.argmax(1), want[rows].argmax(1))

@@ -301,6 +301,84 @@ class CausalAttentionGgml(COp):
         return (_GLUE_VERSION, int(hashlib.sha256(ATTENTION_C.encode()).hexdigest()[:12], 16))
 
 
+class SlotAttentionGgml(CausalAttentionGgml):
+    """CausalAttentionGgml reading each sequence's keys and values in place in a slot cache: (q, k_cache, v_cache,
+    q_positions, key_positions, slots[, sinks]), caches (SLOTS, ROWS, N_KV_HEAD, HEAD_DIM), sequence b's S keys
+    (S = key_positions' width) in the first S rows of slot slots[b]. The same arithmetic on the same values as
+    CausalAttentionGgml(q, k_cache[:, :S][slots], ...), without gathering the rows (alchemist.runtime.slot_engine
+    lowers that gather to this on C)."""
+
+    def make_node(self, q, k_cache, v_cache, q_positions, key_positions, slots, *sinks):
+        node = super().make_node(q, k_cache, v_cache, q_positions, key_positions, *sinks)
+        slots = pt.as_tensor_variable(slots)
+        if slots.type.ndim != 1 or not slots.type.dtype.startswith(("int", "uint")):
+            raise TypeError(f"SlotAttentionGgml: slots must be a vector of integers, got {slots.type}")
+        inputs = node.inputs[:5] + [pt.cast(slots, "int64")] + node.inputs[5:]
+        return Apply(self, inputs, [node.outputs[0].type()])
+
+    def perform(self, node, inputs, output_storage):
+        q, k_cache, v_cache, qpos, kpos, slots, *sinks = inputs
+        n_keys = kpos.shape[1]
+        if n_keys > k_cache.shape[1] or np.any((slots < 0) | (slots >= k_cache.shape[0])):
+            raise ValueError("SlotAttentionGgml: a slot or key row outside the cache")
+        keys, values = k_cache[slots, :n_keys], v_cache[slots, :n_keys]
+        super().perform(node, [q, keys, values, qpos, kpos, *sinks], output_storage)
+
+    def c_code(self, node, name, inputs, outputs, sub):
+        q, k, v, qp, kp, slots, *sk = inputs
+        (out,) = outputs
+        fail = sub["fail"]
+        conts = ", ".join(f"*{n}_ = NULL" for n in ("qc", "kc", "vc", "qpc", "kpc", "slc", "skc"))
+        sinks = f"skc_ = PyArray_GETCONTIGUOUS({sk[0]}); if (!skc_) goto {name}_done;" if sk else ""
+        sinks_ptr = "(const float *)PyArray_DATA(skc_)" if sk else "NULL"
+        return f"""
+        {{
+            PyArrayObject {conts};
+            int ok_ = 0;
+            qc_ = PyArray_GETCONTIGUOUS({q}); kc_ = PyArray_GETCONTIGUOUS({k}); vc_ = PyArray_GETCONTIGUOUS({v});
+            qpc_ = PyArray_GETCONTIGUOUS({qp}); kpc_ = PyArray_GETCONTIGUOUS({kp}); slc_ = PyArray_GETCONTIGUOUS({slots});
+            if (!qc_ || !kc_ || !vc_ || !qpc_ || !kpc_ || !slc_) goto {name}_done;
+            {sinks}
+            {{
+                const long long B_ = PyArray_SIZE(slc_), SLOTS_ = PyArray_DIM(kc_, 0), ROWS_ = PyArray_DIM(kc_, 1);
+                const long long KVH_ = PyArray_DIM(kc_, 2), D_ = PyArray_DIM(kc_, 3), H_ = PyArray_DIM(qc_, 1);
+                const long long S_ = PyArray_NDIM(kpc_) == 2 ? PyArray_DIM(kpc_, 1) : -1;
+                const long long T_ = B_ ? PyArray_DIM(qc_, 0) / B_ : 0;
+                const int64_t *slot_ = (const int64_t *)PyArray_DATA(slc_);
+                int bad_ = H_ != {self.n_head} || KVH_ != {self.n_kv_head} || D_ != {self.head_dim}
+                    || PyArray_DIM(qc_, 2) != D_ || B_ * T_ != PyArray_DIM(qc_, 0) || PyArray_NDIM(vc_) != 4
+                    || PyArray_DIM(vc_, 0) != SLOTS_ || PyArray_DIM(vc_, 1) != ROWS_ || PyArray_DIM(vc_, 2) != KVH_
+                    || PyArray_DIM(vc_, 3) != D_ || S_ < 0 || S_ > ROWS_ || PyArray_SIZE(qpc_) != B_ * T_
+                    || PyArray_DIM(kpc_, 0) != B_;
+                for (long long b_ = 0; !bad_ && b_ < B_; ++b_) bad_ = slot_[b_] < 0 || slot_[b_] >= SLOTS_;
+                if (bad_) {{
+                    PyErr_SetString(PyExc_ValueError, "SlotAttentionGgml: inconsistent shapes, or a slot outside the cache");
+                    goto {name}_done;
+                }}
+                npy_intp dims_[2] = {{(npy_intp)(B_ * T_), (npy_intp)(H_ * D_)}};
+                if (!{out} || PyArray_NDIM({out}) != 2 || PyArray_DIM({out}, 0) != dims_[0] || PyArray_DIM({out}, 1) != dims_[1]
+                    || !PyArray_IS_C_CONTIGUOUS({out}) || PyArray_TYPE({out}) != NPY_FLOAT32) {{
+                    Py_XDECREF({out});
+                    {out} = (PyArrayObject *)PyArray_EMPTY(2, dims_, NPY_FLOAT32, 0);
+                    if (!{out}) goto {name}_done;
+                }}
+                if (alchemist_attn::attend_slots((const float *)PyArray_DATA(qc_), (const float *)PyArray_DATA(kc_),
+                    (const float *)PyArray_DATA(vc_), (const int64_t *)PyArray_DATA(qpc_), (const int64_t *)PyArray_DATA(kpc_),
+                    {sinks_ptr}, (float *)PyArray_DATA({out}), B_, T_, S_, H_, KVH_, D_, {self.window}LL,
+                    (float){self.scale!r}, (float){self.softcap!r}, slot_, ROWS_) != 0) {{
+                    PyErr_NoMemory();
+                    goto {name}_done;
+                }}
+                ok_ = 1;
+            }}
+            {name}_done:
+            Py_XDECREF(qc_); Py_XDECREF(kc_); Py_XDECREF(vc_); Py_XDECREF(qpc_); Py_XDECREF(kpc_); Py_XDECREF(slc_);
+            Py_XDECREF(skc_);
+            if (!ok_) {{ {fail} }}
+        }}
+        """
+
+
 # -- the formula (other backends) and the module hook ---------------------------------------------------------
 def causal_attention_formula(
     q,

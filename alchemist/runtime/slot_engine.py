@@ -187,6 +187,7 @@ class SlotEngine:
         )
         if self.engine.backend == "c":
             logits, new_cache = self._cache_writes_flat(logits, new_cache)
+            logits, new_cache = _attention_reads_in_place(logits, new_cache, slots)
         updates = []
         for caches, new in zip(self.cache, new_cache):
             updates += list(zip(caches, new))
@@ -447,3 +448,51 @@ class SlotEngine:
                 for sv, saved in zip(self._state_caches(), kept[n]):
                     sv.get_value(borrow=True)[dst] = saved
             self.checkpoints[dst] = dict(kept)
+
+
+def _attention_reads_in_place(logits, new_cache, slots):
+    """Lower ggml attention over gathered slot rows, CausalAttentionGgml(q, cache[:, :S][slots], ...), to
+    SlotAttentionGgml(q, cache, ..., slots), which reads each sequence's rows in place: the same arithmetic on the
+    same values, without copying B x S rows of every layer's K and V on every step. Attention over anything else
+    (exact numerics' formula, a gather with other consumers) is left as it is."""
+    from pytensor.graph.fg import FunctionGraph
+    from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor
+
+    from alchemist.kernels.attention import CausalAttentionGgml, SlotAttentionGgml
+
+    def slot_cache(rows):
+        """The cache `rows` gathers as cache[:, :S][slots], or None."""
+        gather = rows.owner
+        if (
+            gather is None
+            or type(gather.op) is not AdvancedSubtensor
+            or tuple(gather.op.idx_list) != (0,)  # x[slots]: the first axis by one index vector
+            or len(gather.inputs) != 2
+            or gather.inputs[1] is not slots
+        ):
+            return None
+        first = gather.inputs[0].owner
+        if first is None or type(first.op) is not Subtensor or len(first.op.idx_list) != 2:
+            return None
+        whole, head = first.op.idx_list
+        if whole != slice(None, None, None) or head.start is not None or head.step is not None:
+            return None
+        return first.inputs[0]
+
+    flat = [logits] + [value for layer in new_cache for value in layer]
+    fgraph = FunctionGraph(outputs=flat, clone=False)
+    for node in fgraph.toposort():
+        if type(node.op) is not CausalAttentionGgml:
+            continue
+        q, keys, values, q_positions, key_positions, *sinks = node.inputs
+        k_cache, v_cache = slot_cache(keys), slot_cache(values)
+        if k_cache is None or v_cache is None:
+            continue
+        op = node.op
+        in_place = SlotAttentionGgml(
+            op.n_head, op.n_kv_head, op.head_dim, op.window, op.scale, op.softcap, op.has_sinks
+        )
+        out = in_place(q, k_cache, v_cache, q_positions, key_positions, slots, *sinks)
+        fgraph.replace(node.outputs[0], out, reason="slot_attention_in_place", import_missing=True)
+    logits, *flat = fgraph.outputs
+    return logits, regroup(flat, new_cache)

@@ -96,11 +96,12 @@ static inline void axpy(idx_t D, float *a, const float *v, float p) {
     for (; d < D; ++d) a[d] = fmaf(v[d], p, a[d]);
 }
 
-/* q (B*T, H, D); k, v (B, S, KVH, D); qpos (B, T); kpos (B, S); sinks (H) or NULL; out (B*T, H*D).
-   Returns 0, or -1 when out of memory. */
-static int attend(const float *q, const float *k, const float *v, const int64_t *qpos, const int64_t *kpos,
-                  const float *sinks, float *out, idx_t B, idx_t T, idx_t S, idx_t H, idx_t KVH, idx_t D,
-                  idx_t window, float scale, float softcap) {
+/* q (B*T, H, D); k, v (B, S, KVH, D) -- or, with kslot, caches of slots of krows rows (., krows, KVH, D) whose
+   slot kslot[b] holds sequence b's keys in its first S rows, read in place; qpos (B, T); kpos (B, S); sinks (H) or
+   NULL; out (B*T, H*D). Returns 0, or -1 when out of memory. */
+static int attend_slots(const float *q, const float *k, const float *v, const int64_t *qpos, const int64_t *kpos,
+                        const float *sinks, float *out, idx_t B, idx_t T, idx_t S, idx_t H, idx_t KVH, idx_t D,
+                        idx_t window, float scale, float softcap, const int64_t *kslot, idx_t krows) {
     const idx_t G = H / KVH;
     const idx_t S8 = (S + 7) & ~(idx_t)7;
     const int sgemm = T >= 2 && D % 4 == 0;  /* llamafile_sgemm (tinyBLAS<8>) for T >= 2, else vec_dot */
@@ -133,6 +134,7 @@ static int attend(const float *q, const float *k, const float *v, const int64_t 
         float *w = scratch + per_thread * (size_t)tid;  /* S8 scores, then the kqv accumulators */
         float *acc = w + S8;
         const idx_t b = r / (T * H), t = (r / H) % T, h = r % H, kh = h / G;
+        const idx_t kb = kslot ? kslot[b] * krows : b * S;  /* sequence b's first key row */
         const float *qr = q + ((b * T + t) * H + h) * D;
         const int64_t qp = qpos[b * T + t];
         const int64_t *kp = kpos + b * S;
@@ -141,7 +143,7 @@ static int attend(const float *q, const float *k, const float *v, const int64_t 
         for (idx_t s = 0; s < S8; ++s) {
             const int visible = s < S && kp[s] >= 0 && kp[s] <= qp && (!window || qp - kp[s] < window);
             if (!visible) { w[s] = -INFINITY; continue; }
-            float x = vec_dot(D, k + ((b * S + s) * KVH + kh) * D, qr) * scale;
+            float x = vec_dot(D, k + ((kb + s) * KVH + kh) * D, qr) * scale;
             if (softcap > 0.0f) x = tanhf(x * inv_cap) * softcap;
             w[s] = x;
             mx = x > mx ? x : mx;
@@ -159,7 +161,7 @@ static int attend(const float *q, const float *k, const float *v, const int64_t 
         for (idx_t s = 0; s < S; ++s) {
             const int visible = kp[s] >= 0 && kp[s] <= qp && (!window || qp - kp[s] < window);
             if (!visible) continue;  /* p = 0: fma(v, 0, acc) == acc */
-            axpy(D, acc + (s % lanes) * D, v + ((b * S + s) * KVH + kh) * D, w[s] * inv);
+            axpy(D, acc + (s % lanes) * D, v + ((kb + s) * KVH + kh) * D, w[s] * inv);
         }
         /* each output's lanes summed as the kernel does, vectorized over d (lane l of output d at acc[l*D + d]) */
         if (sgemm) {  /* tinyBLAS hsum: t_m = lane m+4 + lane m; (t0 + t2) + (t1 + t3) */
@@ -177,5 +179,12 @@ static int attend(const float *q, const float *k, const float *v, const int64_t 
     }
     free(scratch);
     return 0;
+}
+
+/* k, v (B, S, KVH, D): each sequence's keys in its own rows */
+static int attend(const float *q, const float *k, const float *v, const int64_t *qpos, const int64_t *kpos,
+                  const float *sinks, float *out, idx_t B, idx_t T, idx_t S, idx_t H, idx_t KVH, idx_t D,
+                  idx_t window, float scale, float softcap) {
+    return attend_slots(q, k, v, qpos, kpos, sinks, out, B, T, S, H, KVH, D, window, scale, softcap, NULL, S);
 }
 }  // namespace alchemist_attn
