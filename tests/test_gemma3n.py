@@ -166,8 +166,11 @@ def test_altup_predict_correct_and_magnitudes_are_llamacpps(fixture_module):
 
 def test_engines_allocate_a_cache_per_owning_layer_and_serve_the_shared_caches(tmp_path):
     """The single-sequence engine and the slot engine keep 20 caches for 22 layers; two prompts prefilled in
-    chunks into two slots (one reusing the other's prefix), then decoded together, give the single engine's logits
-    at every step, through layers 20 and 21 that read layers 18's and 19's caches (the sliding one as a ring)."""
+    chunks into two slots (one reusing the other's prefix), then decoded together, give llama.cpp's logits (F32:
+    NMSE <= 1e-6) at every step, through layers 20 and 21 that read layers 18's and 19's caches (the sliding one as
+    a ring)."""
+    pytest.importorskip("llama_cpp")
+    from alchemist.harness.oracle import LlamaCppOracle
     from alchemist.runtime.api import write_generated
     from alchemist.runtime.engine import Engine, import_generated
     from alchemist.runtime.slot_engine import SlotEngine
@@ -188,7 +191,7 @@ def test_engines_allocate_a_cache_per_owning_layer_and_serve_the_shared_caches(t
     slots = SlotEngine(Engine(module, weights, "c", 32), n_slots=2, chunk=4, decode_buckets=(2,))
     window = module.SLIDING_WINDOW[0]
     assert len(slots.cache) == 20 and slots.rows[18] == min(window + 4, 32) and slots.rows[19] == 32
-    a, b = PROMPT[:9], PROMPT[:4] + [5, 77, 300, 41, 6]  # one length: the single engine compiles one step
+    a, b = PROMPT[:9], PROMPT[:4] + [5, 77, 300]
     for lo, hi in slots.chunk_plan(len(a)):
         slots.prefill(0, a[lo:hi], lo)
     assert slots.reusable_prefix(len(a), 4, len(b)) == 4
@@ -196,10 +199,11 @@ def test_engines_allocate_a_cache_per_owning_layer_and_serve_the_shared_caches(t
     for lo, hi in slots.chunk_plan(len(b), 4):
         got_b = slots.prefill(1, b[lo:hi], lo)
     got = slots.decode([0, 1], [17, 64], [len(a), len(b)])
-    ref_a, ref_b = engine.run(a + [17], 0, all_logits=True), engine.run(b + [64], 0, all_logits=True)
+    with LlamaCppOracle(str(gguf_path), n_ctx=32, n_threads=1) as oracle:
+        ref_a, ref_b = oracle.logits(a + [17]), oracle.logits(b + [64])
     nmse = lambda x, y: float(((x - y) ** 2).sum() / (y**2).sum())  # noqa: E731
-    assert nmse(got_b, ref_b[len(b) - 1]) < 1e-9
-    assert nmse(got[0], ref_a[-1]) < 1e-9 and nmse(got[1], ref_b[-1]) < 1e-9
+    assert nmse(got_b, ref_b[len(b) - 1]) < 1e-6
+    assert nmse(got[0], ref_a[-1]) < 1e-6 and nmse(got[1], ref_b[-1]) < 1e-6
 
 
 def test_kv_shared_fixture_matches_llamacpp(tmp_path):
