@@ -27,8 +27,18 @@ class ToyStats:
 
 
 class ToySlotEngine:
-    def __init__(self, n_vocab: int, n_slots: int = 4, capacity: int = 64, chunk: int = 4, decode_buckets=(1, 2, 4, 8)):
+    def __init__(
+        self,
+        n_vocab: int,
+        n_slots: int = 4,
+        capacity: int = 64,
+        chunk: int = 4,
+        decode_buckets=(1, 2, 4, 8),
+        piece=None,
+    ):
         self.n_vocab, self.n_slots, self.capacity, self.chunk = n_vocab, n_slots, capacity, chunk
+        self.piece = piece or chunk
+        self.prefills: list[tuple[int, int, int]] = []  # (slot, start, n) of every prefill call
         self.decode_buckets = tuple(decode_buckets)
         self.kv = np.full((n_slots, capacity), -1, dtype=np.int64)
         self.lock = threading.RLock()
@@ -64,9 +74,10 @@ class ToySlotEngine:
             return np.stack([self._logits(s, p) for s, p in zip(slots, positions)])
 
     def prefill(self, slot, ids, start, all_rows=False) -> np.ndarray:
-        if start % self.chunk or not 0 < len(ids) <= self.chunk:
-            raise AlchemistError(f"prefill chunk must start at a multiple of {self.chunk} and hold 1..{self.chunk} ids")
+        if start % self.piece or not 0 < len(ids) <= self.chunk - start % self.chunk:
+            raise AlchemistError(f"prefill must start at a multiple of {self.piece} and end within its chunk")
         with self.lock:
+            self.prefills.append((slot, start, len(ids)))
             self._check(slot, start, start + len(ids))
             self.kv[slot, start : start + len(ids)] = ids
             self.stats.prefill_chunks += 1
@@ -75,10 +86,11 @@ class ToySlotEngine:
                 return np.stack([self._logits(slot, p) for p in range(start, start + len(ids))])
             return self._logits(slot, start + len(ids) - 1)
 
-    def chunk_plan(self, n: int, start: int = 0) -> list[tuple[int, int]]:
+    def chunk_plan(self, n: int, start: int = 0, pieces: bool = False) -> list[tuple[int, int]]:
+        step = self.piece if pieces else self.chunk
         plan, a = [], start
         while a < n:
-            b = min(n, (a // self.chunk + 1) * self.chunk)
+            b = min(n, (a // step + 1) * step)
             plan.append((a, b))
             a = b
         return plan

@@ -99,6 +99,26 @@ def test_more_decoding_slots_than_the_largest_bucket(tok):
         assert ids_of(events[i]) == solo(tok, p, 6).token_ids
 
 
+def test_a_prompt_beside_decoding_streams_goes_in_pieces(tok):
+    """A prompt that arrives while another request decodes is prefilled in the engine's pieces (half chunks
+    here), a piece per step beside the decode; alone it goes in whole chunks. Both give their solo tokens."""
+    engine = ToySlotEngine(N_VOCAB, n_slots=2, capacity=64, chunk=8, decode_buckets=(1, 2), piece=4)
+    s = Scheduler(engine, tok)
+    first, second = prompts(2, seed=5, lo=17, hi=18)
+    events = {}
+    sink = collect(events)
+    s.submit(Request(first, SamplingParams(), 12, sink=sink("a")))
+    s.step(), s.step(), s.step()  # three chunks: the first prompt alone, then its first token
+    assert [(start, n) for _, start, n in engine.prefills] == [(0, 8), (8, 8), (16, 1)]
+    s.submit(Request(second, SamplingParams(), 6, sink=sink("b")))
+    run_until_idle(s)
+    beside = [(start, n) for slot, start, n in engine.prefills[3:]]
+    assert beside[:4] == [(0, 4), (4, 4), (8, 4), (12, 4)] and all(n <= 4 for _, n in beside)
+    assert (
+        ids_of(events["a"]) == solo(tok, first, 12).token_ids and ids_of(events["b"]) == solo(tok, second, 6).token_ids
+    )
+
+
 def test_cancel_frees_slot_next_step(tok):
     a, b, c = prompts(3, seed=3)
     s = Scheduler(toy(n_slots=2), tok)

@@ -196,6 +196,30 @@ def test_ggml_attention_reads_each_slots_rows_in_place(slot_engines, reference_l
         np.testing.assert_array_equal(ours.argmax(1), want[rows].argmax(1))
 
 
+def test_a_prompt_in_pieces_gives_what_it_gives_in_chunks(slot_engines):
+    """Prefilled in pieces (half chunks: the scheduler's steps beside decoding streams) or in whole chunks, a
+    sequence ends with the same logits and continues the same; a piece starts at a multiple of the piece and never
+    runs past its chunk (its padding included); a piece must divide the chunk."""
+    from alchemist.errors import AlchemistError
+    from alchemist.runtime.slot_engine import SlotEngine
+
+    engine = slot_engines("gemma3", "Q8_0", "c").engine
+    se = SlotEngine(engine, 2, chunk=8, decode_buckets=(2,), piece=4)
+    assert se.prefill_sizes == (4, 8) and se.chunk_plan(13, pieces=True) == [(0, 4), (4, 8), (8, 12), (12, 13)]
+    seq = _sequences(se.n_vocab, lengths=(13,))[0]
+    pieces = [se.prefill(0, seq[a:b], a) for a, b in se.chunk_plan(len(seq), pieces=True)][-1]
+    chunks = [se.prefill(1, seq[a:b], a) for a, b in se.chunk_plan(len(seq))][-1]
+    np.testing.assert_allclose(pieces, chunks, rtol=1e-5, atol=1e-5)
+    both = se.decode([0, 1], [5, 5], [13, 13])
+    np.testing.assert_allclose(both[0], both[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(AlchemistError, match="multiple of the prefill piece"):
+        se.prefill(0, seq[:2], 2)
+    with pytest.raises(AlchemistError, match="ends within its chunk"):
+        se.prefill(0, seq[:6], 4)
+    with pytest.raises(AlchemistError, match="must divide the chunk"):
+        SlotEngine(engine, 2, chunk=8, piece=3)
+
+
 def test_a_prefill_of_every_row_gives_every_positions_logits(slot_engines, reference_logits):
     """all_rows (a scored prompt): each chunk's prefill gives the logits of every real token, those of the
     single-sequence engine at every position, and the last one is what the last-row prefill gives."""

@@ -9,10 +9,12 @@ its window plus a chunk (a ring), so its slot memory does not grow with the cont
 
 Two kinds of compiled step, both the generated module's `forward(..., slots=)`:
 - decode (B, 1): one token of each of up to B sequences, padded to the next decode bucket;
-- prefill (1, T): one chunk of one sequence, T = chunk (or 8 for a short piece), at a chunk-aligned start,
-  giving the logits of its last token, or (compiled on first use, for scoring a prompt) of every token.
-Chunks start at absolute multiples of `chunk`, so a chunk never writes a ring row that one of its queries
-still reads, and the rows a slot holds can be reused by a later prompt with the same prefix.
+- prefill (1, T): one chunk of one sequence, T = chunk (or 8 for a short piece, or `piece`: part of a chunk, so
+  that a step beside decoding streams stalls them less), giving the logits of its last token, or (compiled on
+  first use, for scoring a prompt) of every token.
+Chunks start at absolute multiples of `chunk` and a piece never crosses a chunk's end (its padding included), so
+a chunk never writes a ring row that one of its queries still reads, and the rows a slot holds can be reused by a
+later prompt with the same prefix.
 
 On the C backend every cache write is lowered to a write into the flattened cache (`_cache_writes_flat`):
 the two-index write has no C code, the flat one is C and in place. The caller serializes: every call that
@@ -83,6 +85,7 @@ class SlotEngine:
         chunk: int = 32,
         decode_buckets=(1, 2, 4, 8),
         full_window: bool = False,
+        piece: int | None = None,
     ):
         module = engine.module
         if engine.backend not in SERVING_BACKENDS:
@@ -107,6 +110,15 @@ class SlotEngine:
             raise AlchemistError(f"n_slots must be at least 1, got {n_slots}")
         if chunk < 1:
             raise AlchemistError(f"chunk must be at least 1, got {chunk}")
+        # by default half a chunk beside decoding streams (16 tokens still multiply in GEMM panels), with ggml
+        # numerics only: exact numerics promise answers that do not depend on who else runs, and their BLAS
+        # products may round differently in a step of another shape
+        if piece is None:
+            halve = chunk >= 2 * SMALL_PREFILL and getattr(engine, "numerics", "exact") == "ggml"
+            piece = chunk // 2 if halve else chunk
+        piece = int(piece)
+        if piece < 1 or chunk % piece:
+            raise AlchemistError(f"a prefill piece must divide the chunk ({chunk}), got {piece}")
         buckets = sorted({int(b) for b in decode_buckets})
         if not buckets or buckets[0] < 1:
             raise AlchemistError(f"decode_buckets must be positive batch sizes, got {tuple(decode_buckets)}")
@@ -154,7 +166,11 @@ class SlotEngine:
         # the states of its last chunk boundary (rows are enough for attention, states cannot be truncated)
         self.checkpoints: list[dict[int, list[np.ndarray]]] = [{} for _ in range(n_slots)]
         self.max_checkpoints = MAX_CHECKPOINTS
-        self.prefill_sizes = tuple(sorted({chunk} | ({SMALL_PREFILL} if chunk > SMALL_PREFILL else set())))
+        # recurrent layers continue their states only from chunk boundaries' checkpoints: whole chunks for them
+        self.piece = chunk if self.states else piece
+        self.prefill_sizes = tuple(
+            sorted({chunk, self.piece} | ({SMALL_PREFILL} if self.piece > SMALL_PREFILL else set()))
+        )
         self._functions: dict[tuple[int, int], object] = {}
 
     # -- memory ------------------------------------------------------------------------------------
@@ -342,22 +358,26 @@ class SlotEngine:
 
     def prefill(self, slot: int, ids: Sequence[int], start: int, all_rows: bool = False) -> np.ndarray:
         """Write the KV of ids at positions start..start+len(ids)-1 of `slot` and return the float32 logits
-        (n_vocab,) of the last id, or with all_rows those of every id, (len(ids), n_vocab). One call = one chunk:
-        `start` is a multiple of `chunk` and len(ids) <= chunk (use chunk_plan)."""
+        (n_vocab,) of the last id, or with all_rows those of every id, (len(ids), n_vocab). One call = one chunk
+        or a piece of one: `start` is a multiple of `piece` and the ids end within start's chunk (use chunk_plan)."""
         slot = self._check_slot(slot)
         ids = self._check_tokens(ids)
         start = int(start)
         if not ids:
             raise AlchemistError("prefill needs at least one token")
-        if start < 0 or start % self.chunk:
-            raise AlchemistError(f"prefill start {start} is not a multiple of the chunk ({self.chunk})")
-        if len(ids) > self.chunk:
-            raise AlchemistError(f"prefill of {len(ids)} tokens: one call takes at most a chunk ({self.chunk})")
+        if start < 0 or start % self.piece:
+            raise AlchemistError(f"prefill start {start} is not a multiple of the prefill piece ({self.piece})")
+        room = self.chunk - start % self.chunk
+        if len(ids) > room:
+            raise AlchemistError(
+                f"prefill of {len(ids)} tokens from {start}: one call ends within its chunk ({room} tokens here)"
+            )
         if start + len(ids) > self.capacity:
             raise AlchemistError(
                 f"context overflow: positions up to {start + len(ids)} needed, a slot holds {self.capacity}"
             )
-        size = next(t for t in self.prefill_sizes if t >= len(ids))
+        # the smallest step that holds the ids; its padding stays within the chunk (sizes divide the chunk)
+        size = next(t for t in self.prefill_sizes if t >= len(ids) and t <= room)
         # padding tokens continue the positions: they write rows of this slot that later tokens overwrite
         tok = np.zeros((1, size), np.int64)
         tok[0, : len(ids)] = ids
@@ -371,11 +391,13 @@ class SlotEngine:
         out = np.asarray(out, dtype=np.float32)
         return out if all_rows else out[0]
 
-    def chunk_plan(self, n: int, start: int = 0) -> list[tuple[int, int]]:
-        """[(a, b), ...] position ranges covering [start, n), boundaries at absolute multiples of chunk."""
+    def chunk_plan(self, n: int, start: int = 0, pieces: bool = False) -> list[tuple[int, int]]:
+        """[(a, b), ...] position ranges covering [start, n), boundaries at absolute multiples of chunk (with
+        pieces=True, of the engine's prefill piece: smaller steps, for a prompt prefilled beside decoding streams)."""
+        step = self.piece if pieces else self.chunk
         plan, a = [], int(start)
         while a < n:
-            b = min(int(n), (a // self.chunk + 1) * self.chunk)
+            b = min(int(n), (a // step + 1) * step)
             plan.append((a, b))
             a = b
         return plan

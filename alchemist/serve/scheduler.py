@@ -327,7 +327,10 @@ class Scheduler:
         slot = min(pending, key=lambda s: s.order)
         req = slot.request
         prompt, scoring = req.prompt, req.prompt_logprobs is not None
-        a, b = self.engine.chunk_plan(len(prompt), slot.prompt_done)[0]
+        # beside decoding streams a prompt goes in the engine's smaller pieces, so that no stream waits a whole chunk
+        decoding = any(s.request is not None and not s.prefilling and s.out_ids for s in self._slots)
+        pieces = {"pieces": True} if decoding and getattr(self.engine, "piece", None) else {}
+        a, b = self.engine.chunk_plan(len(prompt), slot.prompt_done, **pieces)[0]
         try:
             logits = self.engine.prefill(slot.index, prompt[a:b], a, **({"all_rows": True} if scoring else {}))
         except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
