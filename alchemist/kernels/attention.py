@@ -188,7 +188,7 @@ def attention_ggml_reference(q, keys, values, q_positions, key_positions, window
     return out.reshape(n_seq * n_tok, n_head * dim)
 
 
-_GLUE_VERSION = 2  # bump when c_code (the Python-side glue) changes; the kernel source is hashed
+_GLUE_VERSION = 3  # bump when c_code (the Python-side glue) changes; the kernel source is hashed
 
 
 # -- the Op ------------------------------------------------------------------------------------------------
@@ -251,11 +251,37 @@ class CausalAttentionGgml(COp):
 
     def c_code(self, node, name, inputs, outputs, sub):
         q, k, v, qp, kp, *sk = inputs
-        (out,) = outputs
-        fail = sub["fail"]
-        conts = ", ".join(f"*{n}_ = NULL" for n in ("qc", "kc", "vc", "qpc", "kpc", "skc"))
+        return self._glue(name, q, k, v, qp, kp, None, sk, outputs[0], sub["fail"])
+
+    def _glue(self, name, q, k, v, qp, kp, slots, sk, out, fail):
+        """The C that checks the inputs' shapes and calls attend() (attend_slots() with a slots vector: k and v
+        are then the slot caches)."""
+        held = ("qc", "kc", "vc", "qpc", "kpc", "slc", "skc")
+        conts = ", ".join(f"*{n}_ = NULL" for n in held)
         sinks = f"skc_ = PyArray_GETCONTIGUOUS({sk[0]}); if (!skc_) goto {name}_done;" if sk else ""
         sinks_ptr = "(const float *)PyArray_DATA(skc_)" if sk else "NULL"
+        if slots is None:  # k, v (B, S, KVH, D)
+            get_slots, kv_dims, call = "", "B_ = PyArray_DIM(kc_, 0), S_ = PyArray_DIM(kc_, 1)", "attend"
+            kv_shapes = "PyArray_DIM(vc_, 0) != B_ || PyArray_DIM(vc_, 1) != S_ || PyArray_SIZE(kpc_) != B_ * S_"
+            slot_args, bad_slot = "", ""
+        else:  # the caches (SLOTS, ROWS, KVH, D); sequence b's S keys in the first S rows of slot slots[b]
+            get_slots = f"slc_ = PyArray_GETCONTIGUOUS({slots}); if (!slc_) goto {name}_done;"
+            kv_dims = (
+                "B_ = PyArray_SIZE(slc_), SLOTS_ = PyArray_DIM(kc_, 0), ROWS_ = PyArray_DIM(kc_, 1),\n"
+                "                    S_ = PyArray_NDIM(kpc_) == 2 ? PyArray_DIM(kpc_, 1) : -1"
+            )
+            kv_shapes = (
+                "PyArray_DIM(vc_, 0) != SLOTS_ || PyArray_DIM(vc_, 1) != ROWS_ || S_ < 0 || S_ > ROWS_\n"
+                "                    || PyArray_DIM(kpc_, 0) != B_"
+            )
+            call, slot_args = "attend_slots", ", (const int64_t *)PyArray_DATA(slc_), ROWS_"
+            bad_slot = (
+                "const int64_t *slot_ = (const int64_t *)PyArray_DATA(slc_);\n"
+                "                for (long long b_ = 0; !bad_ && b_ < B_; ++b_) bad_ = slot_[b_] < 0 || slot_[b_] >= SLOTS_;"
+            )
+        what = type(self).__name__ + (
+            ": inconsistent shapes" if slots is None else ": inconsistent shapes, or a slot outside the cache"
+        )
         return f"""
         {{
             PyArrayObject {conts};
@@ -263,16 +289,18 @@ class CausalAttentionGgml(COp):
             qc_ = PyArray_GETCONTIGUOUS({q}); kc_ = PyArray_GETCONTIGUOUS({k}); vc_ = PyArray_GETCONTIGUOUS({v});
             qpc_ = PyArray_GETCONTIGUOUS({qp}); kpc_ = PyArray_GETCONTIGUOUS({kp});
             if (!qc_ || !kc_ || !vc_ || !qpc_ || !kpc_) goto {name}_done;
+            {get_slots}
             {sinks}
             {{
-                const long long B_ = PyArray_DIM(kc_, 0), S_ = PyArray_DIM(kc_, 1), KVH_ = PyArray_DIM(kc_, 2);
-                const long long D_ = PyArray_DIM(kc_, 3), H_ = PyArray_DIM(qc_, 1);
+                const long long {kv_dims};
+                const long long KVH_ = PyArray_DIM(kc_, 2), D_ = PyArray_DIM(kc_, 3), H_ = PyArray_DIM(qc_, 1);
                 const long long T_ = B_ ? PyArray_DIM(qc_, 0) / B_ : 0;
-                if (H_ != {self.n_head} || KVH_ != {self.n_kv_head} || D_ != {self.head_dim} || PyArray_DIM(qc_, 2) != D_
-                    || B_ * T_ != PyArray_DIM(qc_, 0) || PyArray_NDIM(vc_) != 4 || PyArray_DIM(vc_, 0) != B_
-                    || PyArray_DIM(vc_, 1) != S_ || PyArray_DIM(vc_, 2) != KVH_ || PyArray_DIM(vc_, 3) != D_
-                    || PyArray_SIZE(qpc_) != B_ * T_ || PyArray_SIZE(kpc_) != B_ * S_) {{
-                    PyErr_SetString(PyExc_ValueError, "CausalAttentionGgml: inconsistent shapes");
+                int bad_ = H_ != {self.n_head} || KVH_ != {self.n_kv_head} || D_ != {self.head_dim} || PyArray_DIM(qc_, 2) != D_
+                    || B_ * T_ != PyArray_DIM(qc_, 0) || PyArray_NDIM(vc_) != 4 || PyArray_DIM(vc_, 2) != KVH_
+                    || PyArray_DIM(vc_, 3) != D_ || PyArray_SIZE(qpc_) != B_ * T_ || {kv_shapes};
+                {bad_slot}
+                if (bad_) {{
+                    PyErr_SetString(PyExc_ValueError, "{what}");
                     goto {name}_done;
                 }}
                 npy_intp dims_[2] = {{(npy_intp)(B_ * T_), (npy_intp)(H_ * D_)}};
@@ -282,17 +310,17 @@ class CausalAttentionGgml(COp):
                     {out} = (PyArrayObject *)PyArray_EMPTY(2, dims_, NPY_FLOAT32, 0);
                     if (!{out}) goto {name}_done;
                 }}
-                if (alchemist_attn::attend((const float *)PyArray_DATA(qc_), (const float *)PyArray_DATA(kc_),
+                if (alchemist_attn::{call}((const float *)PyArray_DATA(qc_), (const float *)PyArray_DATA(kc_),
                     (const float *)PyArray_DATA(vc_), (const int64_t *)PyArray_DATA(qpc_), (const int64_t *)PyArray_DATA(kpc_),
                     {sinks_ptr}, (float *)PyArray_DATA({out}), B_, T_, S_, H_, KVH_, D_, {self.window}LL,
-                    (float){self.scale!r}, (float){self.softcap!r}) != 0) {{
+                    (float){self.scale!r}, (float){self.softcap!r}{slot_args}) != 0) {{
                     PyErr_NoMemory();
                     goto {name}_done;
                 }}
                 ok_ = 1;
             }}
             {name}_done:
-            Py_XDECREF(qc_); Py_XDECREF(kc_); Py_XDECREF(vc_); Py_XDECREF(qpc_); Py_XDECREF(kpc_); Py_XDECREF(skc_);
+            {" ".join(f"Py_XDECREF({n}_);" for n in held)}
             if (!ok_) {{ {fail} }}
         }}
         """
@@ -326,57 +354,7 @@ class SlotAttentionGgml(CausalAttentionGgml):
 
     def c_code(self, node, name, inputs, outputs, sub):
         q, k, v, qp, kp, slots, *sk = inputs
-        (out,) = outputs
-        fail = sub["fail"]
-        conts = ", ".join(f"*{n}_ = NULL" for n in ("qc", "kc", "vc", "qpc", "kpc", "slc", "skc"))
-        sinks = f"skc_ = PyArray_GETCONTIGUOUS({sk[0]}); if (!skc_) goto {name}_done;" if sk else ""
-        sinks_ptr = "(const float *)PyArray_DATA(skc_)" if sk else "NULL"
-        return f"""
-        {{
-            PyArrayObject {conts};
-            int ok_ = 0;
-            qc_ = PyArray_GETCONTIGUOUS({q}); kc_ = PyArray_GETCONTIGUOUS({k}); vc_ = PyArray_GETCONTIGUOUS({v});
-            qpc_ = PyArray_GETCONTIGUOUS({qp}); kpc_ = PyArray_GETCONTIGUOUS({kp}); slc_ = PyArray_GETCONTIGUOUS({slots});
-            if (!qc_ || !kc_ || !vc_ || !qpc_ || !kpc_ || !slc_) goto {name}_done;
-            {sinks}
-            {{
-                const long long B_ = PyArray_SIZE(slc_), SLOTS_ = PyArray_DIM(kc_, 0), ROWS_ = PyArray_DIM(kc_, 1);
-                const long long KVH_ = PyArray_DIM(kc_, 2), D_ = PyArray_DIM(kc_, 3), H_ = PyArray_DIM(qc_, 1);
-                const long long S_ = PyArray_NDIM(kpc_) == 2 ? PyArray_DIM(kpc_, 1) : -1;
-                const long long T_ = B_ ? PyArray_DIM(qc_, 0) / B_ : 0;
-                const int64_t *slot_ = (const int64_t *)PyArray_DATA(slc_);
-                int bad_ = H_ != {self.n_head} || KVH_ != {self.n_kv_head} || D_ != {self.head_dim}
-                    || PyArray_DIM(qc_, 2) != D_ || B_ * T_ != PyArray_DIM(qc_, 0) || PyArray_NDIM(vc_) != 4
-                    || PyArray_DIM(vc_, 0) != SLOTS_ || PyArray_DIM(vc_, 1) != ROWS_ || PyArray_DIM(vc_, 2) != KVH_
-                    || PyArray_DIM(vc_, 3) != D_ || S_ < 0 || S_ > ROWS_ || PyArray_SIZE(qpc_) != B_ * T_
-                    || PyArray_DIM(kpc_, 0) != B_;
-                for (long long b_ = 0; !bad_ && b_ < B_; ++b_) bad_ = slot_[b_] < 0 || slot_[b_] >= SLOTS_;
-                if (bad_) {{
-                    PyErr_SetString(PyExc_ValueError, "SlotAttentionGgml: inconsistent shapes, or a slot outside the cache");
-                    goto {name}_done;
-                }}
-                npy_intp dims_[2] = {{(npy_intp)(B_ * T_), (npy_intp)(H_ * D_)}};
-                if (!{out} || PyArray_NDIM({out}) != 2 || PyArray_DIM({out}, 0) != dims_[0] || PyArray_DIM({out}, 1) != dims_[1]
-                    || !PyArray_IS_C_CONTIGUOUS({out}) || PyArray_TYPE({out}) != NPY_FLOAT32) {{
-                    Py_XDECREF({out});
-                    {out} = (PyArrayObject *)PyArray_EMPTY(2, dims_, NPY_FLOAT32, 0);
-                    if (!{out}) goto {name}_done;
-                }}
-                if (alchemist_attn::attend_slots((const float *)PyArray_DATA(qc_), (const float *)PyArray_DATA(kc_),
-                    (const float *)PyArray_DATA(vc_), (const int64_t *)PyArray_DATA(qpc_), (const int64_t *)PyArray_DATA(kpc_),
-                    {sinks_ptr}, (float *)PyArray_DATA({out}), B_, T_, S_, H_, KVH_, D_, {self.window}LL,
-                    (float){self.scale!r}, (float){self.softcap!r}, slot_, ROWS_) != 0) {{
-                    PyErr_NoMemory();
-                    goto {name}_done;
-                }}
-                ok_ = 1;
-            }}
-            {name}_done:
-            Py_XDECREF(qc_); Py_XDECREF(kc_); Py_XDECREF(vc_); Py_XDECREF(qpc_); Py_XDECREF(kpc_); Py_XDECREF(slc_);
-            Py_XDECREF(skc_);
-            if (!ok_) {{ {fail} }}
-        }}
-        """
+        return self._glue(name, q, k, v, qp, kp, slots, sk, outputs[0], sub["fail"])
 
 
 # -- the formula (other backends) and the module hook ---------------------------------------------------------
