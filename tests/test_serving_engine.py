@@ -371,8 +371,8 @@ def test_slot_engine_rules(slot_module):
     odd = SlotEngine(Engine(module, module.load_weights(str(path)), "c", 30), 2, chunk=4)
     assert odd.rows == (12, 32)  # whole chunks: the padded tail of the last chunk never wraps onto row 0
     for call, match in [
-        (lambda: se.prefill(0, [1, 2], 2), "multiple of the chunk"),
-        (lambda: se.prefill(0, [1] * 5, 0), "at most a chunk"),
+        (lambda: se.prefill(0, [1, 2], 2), "multiple of the prefill piece"),
+        (lambda: se.prefill(0, [1] * 5, 0), "ends within its chunk"),
         (lambda: se.prefill(0, [1, 2], 28 + 4), "context overflow"),
         (lambda: se.prefill(3, [1], 0), "slot 3 out of range"),
         (lambda: se.prefill(0, [10**6], 0), "token ids out of range"),
