@@ -87,9 +87,9 @@ class ToySlotEngine:
             return self._logits(slot, start + len(ids) - 1)
 
     def chunk_plan(self, n: int, start: int = 0, pieces: bool = False) -> list[tuple[int, int]]:
-        step = self.piece if pieces else self.chunk
         plan, a = [], start
         while a < n:
+            step = self.piece if pieces or a % self.chunk else self.chunk
             b = min(n, (a // step + 1) * step)
             plan.append((a, b))
             a = b

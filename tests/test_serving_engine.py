@@ -206,6 +206,7 @@ def test_a_prompt_in_pieces_gives_what_it_gives_in_chunks(slot_engines):
     engine = slot_engines("gemma3", "Q8_0", "c").engine
     se = SlotEngine(engine, 2, chunk=8, decode_buckets=(2,), piece=4)
     assert se.prefill_sizes == (4, 8) and se.chunk_plan(13, pieces=True) == [(0, 4), (4, 8), (8, 12), (12, 13)]
+    assert se.chunk_plan(20, 4) == [(4, 8), (8, 16), (16, 20)]  # begun in pieces: on to the chunk's end in pieces
     seq = _sequences(se.n_vocab, lengths=(13,))[0]
     pieces = [se.prefill(0, seq[a:b], a) for a, b in se.chunk_plan(len(seq), pieces=True)][-1]
     chunks = [se.prefill(1, seq[a:b], a) for a, b in se.chunk_plan(len(seq))][-1]

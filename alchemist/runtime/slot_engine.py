@@ -377,7 +377,9 @@ class SlotEngine:
                 f"context overflow: positions up to {start + len(ids)} needed, a slot holds {self.capacity}"
             )
         # the smallest step that holds the ids; its padding stays within the chunk (sizes divide the chunk)
-        size = next(t for t in self.prefill_sizes if t >= len(ids) and t <= room)
+        size = next((t for t in self.prefill_sizes if len(ids) <= t <= room), None)
+        if size is None:
+            raise AlchemistError(f"no prefill step holds {len(ids)} tokens from {start}: plan them with chunk_plan")
         # padding tokens continue the positions: they write rows of this slot that later tokens overwrite
         tok = np.zeros((1, size), np.int64)
         tok[0, : len(ids)] = ids
@@ -394,9 +396,10 @@ class SlotEngine:
     def chunk_plan(self, n: int, start: int = 0, pieces: bool = False) -> list[tuple[int, int]]:
         """[(a, b), ...] position ranges covering [start, n), boundaries at absolute multiples of chunk (with
         pieces=True, of the engine's prefill piece: smaller steps, for a prompt prefilled beside decoding streams)."""
-        step = self.piece if pieces else self.chunk
         plan, a = [], int(start)
         while a < n:
+            # from within a chunk (a prompt begun in pieces) on to its end in pieces: the steps that exist
+            step = self.piece if pieces or a % self.chunk else self.chunk
             b = min(int(n), (a // step + 1) * step)
             plan.append((a, b))
             a = b
@@ -476,7 +479,7 @@ def _attention_reads_in_place(logits, new_cache, slots):
     """Lower ggml attention over gathered slot rows, CausalAttentionGgml(q, cache[:, :S][slots], ...), to
     SlotAttentionGgml(q, cache, ..., slots), which reads each sequence's rows in place: the same arithmetic on the
     same values, without copying B x S rows of every layer's K and V on every step. Attention over anything else
-    (exact numerics' formula, a gather with other consumers) is left as it is."""
+    (exact numerics' formula) is left as it is, and a gather that something else reads stays for it."""
     from pytensor.graph.fg import FunctionGraph
     from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor
 
