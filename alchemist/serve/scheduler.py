@@ -328,8 +328,7 @@ class Scheduler:
         req = slot.request
         prompt, scoring = req.prompt, req.prompt_logprobs is not None
         # beside decoding streams a prompt goes in the engine's smaller pieces, so that no stream waits a whole chunk
-        decoding = any(s.request is not None and not s.prefilling and s.out_ids for s in self._slots)
-        pieces = {"pieces": True} if decoding and getattr(self.engine, "piece", None) else {}
+        pieces = {"pieces": True} if self._decoding() and getattr(self.engine, "piece", None) else {}
         a, b = self.engine.chunk_plan(len(prompt), slot.prompt_done, **pieces)[0]
         try:
             logits = self.engine.prefill(slot.index, prompt[a:b], a, **({"all_rows": True} if scoring else {}))
@@ -369,8 +368,12 @@ class Scheduler:
             self._finish(slot, "error", error=f"scoring the prompt failed: {type(e).__name__}: {e}")
             return False
 
+    def _decoding(self) -> list[_Slot]:
+        """The slots whose sequences decode in the next step."""
+        return [s for s in self._slots if s.request is not None and not s.prefilling and s.out_ids]
+
     def _decode(self) -> bool:
-        rows = [s for s in self._slots if s.request is not None and not s.prefilling and s.out_ids]
+        rows = self._decoding()
         if not rows:
             return False
         for i in range(0, len(rows), self._max_batch):
