@@ -549,6 +549,47 @@ def test_one_token_offset_loops_are_ggml_vec_dot(ggml_ref, ggml_type, halves):
     assert np.array_equal(np.asarray(got), want)
 
 
+class _WithoutVnni(QuantizedMatmul):
+    """QuantizedMatmul built with -DALCHEMIST_VNNI=0: the batched 32-block products without vpdpbusd."""
+
+    def c_compile_args(self, **kwargs):
+        return [*super().c_compile_args(**kwargs), "-DALCHEMIST_VNNI=0"]
+
+
+@pytest.mark.parametrize("ggml_type", ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "MXFP4"))
+def test_batched_products_with_vnni_are_the_sign_trick_bits(ggml_ref, ggml_type):
+    """Two or more activation rows of a 32-block type: vpdpbusd with offset codes (where the CPU has AVX-512 VNNI
+    or AVX-VNNI; elsewhere both builds take the sign-trick loops) gives the bits of the loops without it (the
+    token-chunked one below 16 rows, the panels from 16), for token groups of 8, their remainders and rows
+    unpacked once for several groups, and of ggml_vec_dot row by row (Q8_0 with extreme codes: -127, 127 and
+    ggml's -128 in the weights)."""
+    from alchemist.harness.quantize import quantize_array
+
+    rng = np.random.default_rng(11)
+    n_out, n_in = 37, 320
+    raw = quantize_array(rng.standard_normal((n_out, n_in)).astype(np.float32), ggml_type).reshape(n_out, -1)
+    if ggml_type == "Q8_0":  # codes at the ends of int8 in the first row's blocks
+        codes = raw[0].reshape(-1, 34)[:, 2:].view(np.int8)
+        codes[:, ::3], codes[:, 1::3] = -128, 127
+    xv, wv = pt.matrix("x", dtype="float32"), pt.matrix("w", dtype="uint8", shape=raw.shape)
+    with_vnni = pytensor.function(
+        [xv, wv], QuantizedMatmul(ggml_type, n_out, n_in, numerics="ggml")(xv, wv), mode=get_mode("c")
+    )
+    without = pytensor.function(
+        [xv, wv], _WithoutVnni(ggml_type, n_out, n_in, numerics="ggml")(xv, wv), mode=get_mode("c")
+    )
+    for T in (2, 8, 9, 15, 40):
+        x = activations_with_outliers(rng, T, n_in)
+        got = np.asarray(with_vnni(x, raw))
+        assert np.array_equal(got, np.asarray(without(x, raw))), f"T={T}"
+        if ggml_type in ("Q8_0", "Q4_0", "Q5_0"):  # MXFP4, IQ4_NL from 2 rows: another order than vec_dot (above)
+            want = [
+                ggml_ref.vec_dot(ggml_type, raw[o], ggml_ref.quantize_row(ggml_type, x[T - 1]), n_in)
+                for o in range(n_out)
+            ]
+            assert np.array_equal(got[T - 1], np.array(want, np.float32)), f"T={T}"
+
+
 @pytest.mark.parametrize("ggml_type", ("Q5_0", "Q4_K", "Q6_K", "Q4_1", "IQ4_XS"))
 def test_ggml_numerics_equal_dequantize_then_matmul_of_rounded_activations(compiled_ggml, compiled, ggml_type):
     """ggml numerics == the exact kernel applied to dequant(quant(x)) (float32 summation order aside), for a

@@ -16,6 +16,24 @@
 #define AQ_AVX2 0
 #endif
 
+/* VNNI's vpdpbusd (AVX-512 VNNI with VL, or AVX-VNNI): four u8 x s8 products summed into each int32 lane in one
+   instruction. Used for two or more activation rows of the 32-blocks (vnni_rows); -DALCHEMIST_VNNI=0 turns it off on
+   a CPU that has it (the tests compare both). */
+#if AQ_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define AQ_VNNI_HW 1
+#define aq_dpbusd(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif AQ_AVX2 && defined(__AVXVNNI__)
+#define AQ_VNNI_HW 1
+#define aq_dpbusd(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define AQ_VNNI_HW 0
+#endif
+#if defined(ALCHEMIST_VNNI) && !ALCHEMIST_VNNI
+#define AQ_VNNI 0
+#else
+#define AQ_VNNI AQ_VNNI_HW
+#endif
+
 #include "iq_grids.h"
 
 namespace alchemist_q {
@@ -1976,12 +1994,157 @@ template <class Q>
 static int run_ggml_panels(const uint8_t *, idx_t, idx_t, const ActRows *, idx_t, float *, int) { return -1; }
 #endif
 
+#if AQ_VNNI
+/* Two or more activation rows of the 32-blocks with Q8_0 activations: dot_block_int's arithmetic with
+   its integer lanes from vpdpbusd. vpdpbusd multiplies unsigned by signed bytes, so the codes q go in as
+   q + 128 (q XOR 0x80, once per weight block for all NT tokens) and each lane starts from -128 x the sum of
+   its 4 activations (bias): lane i = sum over 4i..4i+3 of q x, the integer ggml's sign trick and maddubs give
+   (Q8_0 activations lie in [-127, 127]: no int16 step that could saturate), then the same cvt and fma per
+   block, so the same bits. Each 32-block costs a token 4 vector operations instead of 7. */
+template <class Q>
+struct VnniRows {
+    enum { YES = Q::QK == 32 && Q::NSUB == 1 && !Q::HAS_MIN && ActOf<Q>::KIND == ACT_Q8_0 && !GgmlDot<Q>::EXACT };
+};
+
+/* The activations of groups of up to 8 tokens packed for the loop below: per group and block, each token's
+   8 int32 lanes of -128 x the sums of its 4 activations (bias) and its 32 int8 activations, then the 8 tokens'
+   Q8_0 scales dx. One pointer walks it: the token's operands sit at fixed offsets. */
+enum { VNNI_GROUP = 8, VNNI_TOKEN_BYTES = 64, VNNI_BLOCK_BYTES = VNNI_GROUP * VNNI_TOKEN_BYTES + 32 };
+
+static uint8_t *vnni_pack(const ActRows *a, idx_t T, idx_t n_in) {
+    const idx_t nb = n_in / 32, groups = (T + VNNI_GROUP - 1) / VNNI_GROUP;
+    uint8_t *mem = (uint8_t *)aligned_alloc(64, (size_t)((groups * nb * VNNI_BLOCK_BYTES + 127) / 64 * 64));
+    if (!mem) return NULL;
+    memset(mem, 0, (size_t)(groups * nb * VNNI_BLOCK_BYTES));
+    for (idx_t t = 0; t < T; ++t)
+        for (idx_t b = 0; b < nb; ++b) {
+            uint8_t *blk = mem + ((t / VNNI_GROUP) * nb + b) * VNNI_BLOCK_BYTES;
+            const int8_t *x = a->q + t * n_in + 32 * b;
+            int32_t *bias = (int32_t *)(blk + (t % VNNI_GROUP) * VNNI_TOKEN_BYTES);
+            for (int i = 0; i < 8; ++i) bias[i] = -128 * ((int32_t)x[4 * i] + x[4 * i + 1] + x[4 * i + 2] + x[4 * i + 3]);
+            memcpy(blk + (t % VNNI_GROUP) * VNNI_TOKEN_BYTES + 32, x, 32);
+            ((float *)(blk + VNNI_GROUP * VNNI_TOKEN_BYTES))[t % VNNI_GROUP] = a->d[t * nb + b];
+        }
+    return mem;
+}
+
+/* output row o times the NT tokens of one packed group (their accumulators stay in registers). The scales
+   dl x dx of the 8 tokens come from one vector multiply (the same float product as the scalar one) and each
+   token's is broadcast by a permute (a scalar multiply and broadcast per token, or broadcasts from a stack
+   copy, which made GCC store the accumulators every block, were 1.6x slower at 8 tokens). */
+template <class Q, int NT>
+static inline void vnni_rows(const uint8_t *row, idx_t nb, const uint8_t *pack, float *y, idx_t n_out) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    alignas(32) int8_t qbuf[32];
+    float dl[1], mb[1];
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (idx_t b = 0; b < nb; ++b) {
+        __builtin_prefetch(row + b * Q::BS + PREFETCH);
+        const uint8_t *p = pack + b * VNNI_BLOCK_BYTES;
+        const int8_t *q = Q::unpack(row + b * Q::BS, qbuf, dl, mb);
+        const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), flip);
+        const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(dl[0]), _mm256_load_ps((const float *)(p + VNNI_GROUP * VNNI_TOKEN_BYTES)));
+        for (int t = 0; t < NT; ++t) {
+            const __m256i bias = _mm256_load_si256((const __m256i *)(p + t * VNNI_TOKEN_BYTES));
+            const __m256i x = _mm256_load_si256((const __m256i *)(p + t * VNNI_TOKEN_BYTES + 32));
+            const __m256 s = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(t));
+            acc[t] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(aq_dpbusd(bias, u, x)), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; ++t) y[t * n_out] = acc8_total(acc[t]);
+}
+
+/* output rows o0 .. o1 - 1 times every token, a group of 8 at a time over the range: the range's weights
+   (VNNI_ROWS rows) stay in L2 and the group's packed activations in L1 while the other groups come through */
+enum { VNNI_ROWS = 32 };
+
+template <class Q, int NT>
+static void vnni_range(const uint8_t *W, idx_t rb, idx_t nb, const uint8_t *g, idx_t o0, idx_t o1, float *yg, idx_t n_out) {
+    for (idx_t o = o0; o < o1; ++o) vnni_rows<Q, NT>(W + o * rb, nb, g, yg + o, n_out);
+}
+
+/* a 32-block row unpacked once for every token group: per block its float scale and 32 int8 codes */
+struct Unpacked32 {
+    enum { QK = 32, BS = 36, SUB = 32, NSUB = 1, HAS_MIN = 0 };
+    static inline const int8_t *unpack(const uint8_t *b, int8_t *, float *dl, float *) {
+        memcpy(dl, b, 4);
+        return (const int8_t *)(b + 4);
+    }
+};
+
+template <class Q>
+static void vnni_groups(const uint8_t *W, idx_t rb, idx_t nb, const uint8_t *pack, idx_t T, idx_t o0, idx_t o1,
+                        float *Y, idx_t n_out) {
+    for (idx_t t0 = 0; t0 < T; t0 += VNNI_GROUP) {
+        const uint8_t *g = pack + (t0 / VNNI_GROUP) * nb * VNNI_BLOCK_BYTES;
+        float *yg = Y + t0 * n_out;
+        switch (T - t0 < VNNI_GROUP ? (int)(T - t0) : VNNI_GROUP) {
+        case 1: vnni_range<Q, 1>(W, rb, nb, g, o0, o1, yg, n_out); break;
+        case 2: vnni_range<Q, 2>(W, rb, nb, g, o0, o1, yg, n_out); break;
+        case 3: vnni_range<Q, 3>(W, rb, nb, g, o0, o1, yg, n_out); break;
+        case 4: vnni_range<Q, 4>(W, rb, nb, g, o0, o1, yg, n_out); break;
+        case 5: vnni_range<Q, 5>(W, rb, nb, g, o0, o1, yg, n_out); break;
+        case 6: vnni_range<Q, 6>(W, rb, nb, g, o0, o1, yg, n_out); break;
+        case 7: vnni_range<Q, 7>(W, rb, nb, g, o0, o1, yg, n_out); break;
+        default: vnni_range<Q, 8>(W, rb, nb, g, o0, o1, yg, n_out); break;
+        }
+    }
+}
+
+/* Output rows in ranges of VNNI_ROWS, one range per OpenMP task. With more than one token group the range's
+   blocks are first unpacked (Unpacked32), so a Q4_0 / Q5_0 block is decoded once and not once per group. */
+template <class Q>
+static int run_vnni(const uint8_t *W, idx_t n_out, idx_t n_in, const ActRows *a, idx_t T, float *Y, int threaded) {
+    const idx_t nb = n_in / 32, rb = nb * Q::BS, n_ranges = (n_out + VNNI_ROWS - 1) / VNNI_ROWS;
+    const int unpack = T > VNNI_GROUP;
+    uint8_t *pack = vnni_pack(a, T, n_in);
+    if (!pack) return -1;
+    int failed = 0;
+#pragma omp parallel if (threaded)
+    {
+        uint8_t *buf = unpack ? (uint8_t *)malloc((size_t)(VNNI_ROWS * nb * Unpacked32::BS)) : NULL;
+        if (unpack && !buf) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (idx_t i = 0; i < n_ranges; ++i) {
+                const idx_t o0 = i * VNNI_ROWS, o1 = n_out - o0 < VNNI_ROWS ? n_out : o0 + VNNI_ROWS;
+                if (!unpack) {
+                    vnni_groups<Q>(W, rb, nb, pack, T, o0, o1, Y, n_out);
+                    continue;
+                }
+                alignas(32) int8_t qbuf[32];
+                float mb[1];
+                for (idx_t o = o0; o < o1; ++o)
+                    for (idx_t b = 0; b < nb; ++b) {
+                        uint8_t *dst = buf + ((o - o0) * nb + b) * Unpacked32::BS;
+                        memcpy(dst + 4, Q::unpack(W + o * rb + b * Q::BS, qbuf, (float *)dst, mb), 32);
+                    }
+                vnni_groups<Unpacked32>(buf, nb * Unpacked32::BS, nb, pack, T, 0, o1 - o0, Y + o0, n_out);
+            }
+        }
+        free(buf);
+    }
+    free(pack);
+    return failed ? -1 : 0;
+}
+#else
+template <class Q>
+struct VnniRows {
+    enum { YES = 0 };
+};
+template <class Q>
+static int run_vnni(const uint8_t *, idx_t, idx_t, const ActRows *, idx_t, float *, int) { return -1; }
+#endif
+
 /* Which arithmetic a T-row product takes (each row's own, whatever the other rows):
    - Q4_K / Q5_K / Q6_K (AVX2): ggml's vec_dot for T < 8, its tiled matmul for T >= 8 (run_ggml_panels), as
      llama.cpp switches (ggml-cpu/tiled, ggml_tiled_min_batch);
-   - the 32-blocks with Q8_0 activations: the integer per-block order of a one-token product at every T, in
-     register-blocked panels from T >= 16; Q4_1 / Q5_1 (Q8_1's fp16 block sum s in the offset term) the same
-     in the token-chunked loop below;
+   - the 32-blocks with Q8_0 activations: the integer per-block order of a one-token product at every T, with
+     vpdpbusd from T >= 2 where the CPU has VNNI (run_vnni), else in register-blocked panels from T >= 16;
+     Q4_1 / Q5_1 (Q8_1's fp16 block sum s in the offset term) the same in the token-chunked loop below;
    - Q2_K / Q3_K at T >= 16: the activation blocks dequantized (d * q, as ggml's dequantize_row_q8_K) and
      multiplied by the float kernel (run<Q>): the same values up to float32 summation order. */
 enum { GGML_FLOAT_MIN_T = 16, GGML_PANEL_MIN_T = 16 };
@@ -1994,6 +2157,11 @@ static int run_ggml(const uint8_t *W, idx_t n_out, idx_t n_in, const float *X, i
     if (act_alloc(&a, T, n_in, nd) != 0) return -1;
     quantize_acts<Q>(X, T, n_in, &a);
     const int threaded = (double)n_out * (double)rb * (double)T >= 65536.0;
+    if (VnniRows<Q>::YES && T >= 2) {
+        const int status = run_vnni<Q>(W, n_out, n_in, &a, T, Y, threaded);
+        free(a.mem);
+        return status;
+    }
     if ((GgmlDot<Q>::EXACT && GgmlTiled<Q>::YES && T >= GGML_TILED_MIN_T) ||
         (AQ_AVX2 && ActOf<Q>::KIND == ACT_Q8_0 && ActOf<Q>::PER_BLOCK == 1 && T >= GGML_PANEL_MIN_T)) {
         const int status = run_ggml_panels<Q>(W, n_out, n_in, &a, T, Y, threaded);
