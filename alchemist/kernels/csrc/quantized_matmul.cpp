@@ -16,15 +16,18 @@
 #define AQ_AVX2 0
 #endif
 
-/* VNNI's vpdpbusd (AVX-512 VNNI with VL, or AVX-VNNI): four u8 x s8 products summed into each int32 lane in one
-   instruction. Used for two or more activation rows of the 32-blocks (vnni_rows); -DALCHEMIST_VNNI=0 turns it off on
-   a CPU that has it (the tests compare both). */
+/* VNNI (AVX-512 VNNI with VL, or AVX-VNNI): vpdpbusd sums four u8 x s8 products into each int32 lane, vpdpwssd
+   two int16 x int16 products, each in one instruction and without saturating. Used for two or more activation
+   rows of the 32-blocks (vnni_rows) and in the K-quants' panels (panel_gemm_k); -DALCHEMIST_VNNI=0 turns it off
+   on a CPU that has it (the tests compare both). */
 #if AQ_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define AQ_VNNI_HW 1
 #define aq_dpbusd(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#define aq_dpwssd(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
 #elif AQ_AVX2 && defined(__AVXVNNI__)
 #define AQ_VNNI_HW 1
 #define aq_dpbusd(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define aq_dpwssd(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
 #else
 #define AQ_VNNI_HW 0
 #endif
@@ -1896,16 +1899,35 @@ static void panel_gemm_32(const Panel *p, const ActRows *a, const int8_t *zeros,
 
 /* the K-quants: ggml's tiled arithmetic per pair (see above), PANEL_ROWS x 2 tokens. The super-blocks are taken
    in chunks of K_CHUNK so that the chunk of every token's activations stays in L2 while the panel sweeps the
-   tokens; acc (PANEL_ROWS x T) carries each pair's sum from chunk to chunk, in block order. Q4_K / Q5_K codes
-   are unsigned: maddubs takes them as they are (Q6_K's signed codes need the sign trick). */
+   tokens; acc carries each pair's sum from chunk to chunk, in block order. Q4_K / Q5_K codes are unsigned:
+   maddubs takes them as they are (Q6_K's signed codes need the sign trick). The 8 pairs of a super-block (lane
+   r + 4 t) are finished together: their integer sums reduced in one tree, then res = d * s1 (- dmin * s2 in
+   one fma) and acc = fma(res, dx, acc) as 8-lane vector operations, each lane the scalar's float steps. */
 enum { K_CHUNK = 4 };
+
+/* acc + a . b summed in int16 pairs (madd then add; one vpdpwssd where there is VNNI: the same int32) */
+static inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+#if AQ_VNNI
+    return aq_dpwssd(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+/* the lane sums of v0 .. v3: [sum v0, sum v1, sum v2, sum v3] (int32 adds in another order: the same integers) */
+static inline __m128i lane_sums4(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+    const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    return _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+}
 
 template <class Q>
 static void panel_gemm_k(const Panel *p, const ActRows *a, const int8_t *zeros, idx_t n_in, idx_t T, idx_t o0, int nr,
                          idx_t n_out, float *Y, float *acc) {
     enum { PT = 2 };
-    const idx_t nb = n_in / 256;
-    for (idx_t i = 0; i < PANEL_ROWS * T; ++i) acc[i] = 0.0f;
+    static_assert(PANEL_ROWS == 4, "a super-block's pairs fill the 8 lanes of one vector");
+    static const int16_t no_sums[16] = {0};
+    const idx_t nb = n_in / 256, n_pairs = (T + PT - 1) / PT;
+    for (idx_t i = 0; i < 8 * n_pairs; ++i) acc[i] = 0.0f;
     for (idx_t b0 = 0; b0 < nb; b0 += K_CHUNK) {
         const idx_t b1 = b0 + K_CHUNK < nb ? b0 + K_CHUNK : nb;
         for (idx_t t0 = 0; t0 < T; t0 += PT) {
@@ -1925,37 +1947,42 @@ static void panel_gemm_k(const Panel *p, const ActRows *a, const int8_t *zeros, 
                         const __m256i s16 = Q::SUB == 32 ? _mm256_set1_epi16((short)sc[c])
                                                          : _mm256_set_m128i(_mm_set1_epi16((short)sc[2 * c + 1]), _mm_set1_epi16((short)sc[2 * c]));
                         if (Q::HAS_MIN) {
-                            for (int t = 0; t < PT; ++t)
-                                isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), s16));
+                            for (int t = 0; t < PT; ++t) isum[r][t] = madd_add(isum[r][t], _mm256_maddubs_epi16(w, xv[t]), s16);
                         } else {
                             const __m256i aw = _mm256_sign_epi8(w, w);
                             for (int t = 0; t < PT; ++t)
-                                isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[t], w)), s16));
+                                isum[r][t] = madd_add(isum[r][t], _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[t], w)), s16);
                         }
                     }
                 }
-                for (int r = 0; r < PANEL_ROWS; ++r)
-                    for (int t = 0; t < nt; ++t) {
-                        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(isum[r][t]), _mm256_extracti128_si256(isum[r][t], 1));
-                        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
-                        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
-                        float res = p->d[r * nb + b] * (float)_mm_cvtsi128_si32(h);
-                        if (Q::HAS_MIN) { /* s2: the 8 mins times the 8 per-32 sums (hadd of the per-16 bsums) */
-                            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s16 + (t0 + t) * (n_in / 16) + 16 * b));
-                            const __m128i s32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-                            __m128i m = _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(p->mn16 + (r * nb + b) * 8)), s32);
-                            m = _mm_add_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
-                            m = _mm_add_epi32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
-                            res = __builtin_fmaf(-p->dmin[r * nb + b], (float)_mm_cvtsi128_si32(m), res);
-                        }
-                        float *ac = acc + r * T + t0 + t;
-                        *ac = __builtin_fmaf(res, a->d[(t0 + t) * nb + b], *ac);
+                const __m128i d4 = _mm_castps_si128(_mm_set_ps(p->d[3 * nb + b], p->d[2 * nb + b], p->d[nb + b], p->d[b]));
+                const __m256 d = _mm256_castsi256_ps(_mm256_set_m128i(d4, d4));
+                const __m256i s1 = _mm256_set_m128i(lane_sums4(isum[0][1], isum[1][1], isum[2][1], isum[3][1]),
+                                                    lane_sums4(isum[0][0], isum[1][0], isum[2][0], isum[3][0]));
+                __m256 res = _mm256_mul_ps(d, _mm256_cvtepi32_ps(s1));
+                if (Q::HAS_MIN) { /* s2: the 8 mins times the 8 per-32 sums (hadd of the per-16 bsums) */
+                    __m128i s32[PT];
+                    for (int t = 0; t < PT; ++t) {
+                        const int16_t *bs = t < nt ? a->s16 + (t0 + t) * (n_in / 16) + 16 * b : no_sums;
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)bs);
+                        s32[t] = _mm_hadd_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
                     }
+                    const __m256i xs = _mm256_set_m128i(s32[1], s32[0]);
+                    __m256i m[PANEL_ROWS];
+                    for (int r = 0; r < PANEL_ROWS; ++r)
+                        m[r] = _mm256_madd_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p->mn16 + (r * nb + b) * 8))), xs);
+                    const __m256i s2 = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
+                    const __m128 dm4 = _mm_set_ps(p->dmin[3 * nb + b], p->dmin[2 * nb + b], p->dmin[nb + b], p->dmin[b]);
+                    res = _mm256_fnmadd_ps(_mm256_set_m128(dm4, dm4), _mm256_cvtepi32_ps(s2), res); /* fma(-dmin, s2, res) */
+                }
+                const __m256 dx = _mm256_set_m128(_mm_set1_ps(nt > 1 ? a->d[(t0 + 1) * nb + b] : 0.0f), _mm_set1_ps(a->d[t0 * nb + b]));
+                float *ac = acc + 8 * (t0 / PT);
+                _mm256_storeu_ps(ac, _mm256_fmadd_ps(res, dx, _mm256_loadu_ps(ac)));
             }
         }
     }
     for (int r = 0; r < nr; ++r)
-        for (idx_t t = 0; t < T; ++t) Y[t * n_out + o0 + r] = acc[r * T + t];
+        for (idx_t t = 0; t < T; ++t) Y[t * n_out + o0 + r] = acc[8 * (t / PT) + r + 4 * (t % PT)];
 }
 
 template <class Q>
@@ -1967,7 +1994,7 @@ static int run_ggml_panels(const uint8_t *W, idx_t n_out, idx_t n_in, const ActR
 #pragma omp parallel if (threaded)
     {
         Panel p;
-        float *acc = (float *)malloc(sizeof(float) * (size_t)(PANEL_ROWS * T + 1));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(PANEL_ROWS * (T + 1) + 8));
         if (!acc || panel_alloc(&p, n_in) != 0) {
             free(acc);
 #pragma omp atomic write
