@@ -282,6 +282,44 @@ def test_fast_supervisor_refuses_and_accepts_what_pytensors_does(monkeypatch):
     assert outcomes == ["Trying to destroy a protected variable"] * 2 + ["accepted"] * 2
 
 
+def test_fast_cycle_check_answers_what_pytensors_does():
+    """alchemist.pytensor_ext.fast_cycles.contains_cycle against PyTensor's destroyhandler._contains_cycle on a
+    random graph with random orderings (some closing cycles through the graph's edges, some not) and an ordering on
+    a node outside the graph; activated() puts it in DestroyHandler.validate's module and takes it out again."""
+    import random
+
+    import pytensor.tensor as pt
+    from pytensor.graph.fg import FunctionGraph
+
+    from alchemist.pytensor_ext import fast_cycles
+    from alchemist.pytensor_ext.host import activated
+
+    pytensor_check, ours = internals.contains_cycle, fast_cycles.contains_cycle
+    rng = random.Random(0)
+    x, y = pt.vector("x"), pt.vector("y")
+    vars_ = [x, y]
+    for i in range(60):
+        a, b = rng.choice(vars_), rng.choice(vars_)
+        vars_.append(pt.exp(a) + b if i % 3 else a * b)
+    fgraph = FunctionGraph([x, y], vars_[-3:], clone=False)
+    nodes = list(fgraph.toposort())
+    answers = []
+    for _ in range(300):
+        orderings = {}
+        for _ in range(rng.randint(1, 3)):
+            after, before = rng.sample(nodes, 2)  # `before` must run first: a cycle when `after` precedes it
+            orderings.setdefault(after, []).append(before)
+        answers.append(pytensor_check(fgraph, orderings))
+        assert ours(fgraph, orderings) == answers[-1], orderings
+    assert 50 < sum(answers) < 250  # both kinds, many of each
+    stray = pt.exp(pt.vector("z")).owner  # not in the graph: never visited, a cycle to PyTensor
+    assert pytensor_check(fgraph, {nodes[-1]: [stray]}) and ours(fgraph, {nodes[-1]: [stray]})
+    module = fast_cycles.destroyhandler_module()
+    with activated():
+        assert module._contains_cycle is ours and ours.pytensor_contains_cycle is pytensor_check
+    assert module._contains_cycle is pytensor_check
+
+
 def test_the_rewrites_the_modes_leave_out_are_pytensors():
     """backends.UNUSED_REWRITES name PyTensor rewrites (a renamed one would silently run again): PyTensor's
     fast_run turns a product with a diagonal matrix into an elementwise one, alchemist's C mode keeps the Dot."""

@@ -13,7 +13,7 @@ own graph building and compiling run inside `activated()`, which, in this fixed 
    private symbol; each is tested against the pinned PyTensor series), in the order they wrap one another:
    fast_link (CLinker.cthunk_factory, COp.make_c_thunk), parallel_build (CLinker.compile_cmodule),
    compile_progress (FunctionMaker.prepare_fgraph / create, around the two before), fast_supervisor
-   (Supervisor.on_validate).
+   (Supervisor.on_validate), fast_cycles (the destroy handler's cycle check, destroyhandler._contains_cycle).
 
 On leaving the outermost block every patched attribute gets its original back and the flags their values, so a
 PyMC model compiled next to an alchemist model compiles as if alchemist were absent. The block is re-entrant and
@@ -42,6 +42,7 @@ _patched: dict[tuple[type, str], tuple[object, object]] = {}
 
 
 def _patch_points() -> list[tuple[type, str]]:
+    from alchemist.pytensor_ext.fast_cycles import destroyhandler_module
     from alchemist.pytensor_ext.pytensor_internals import CLinker, COp, FunctionMaker, Supervisor
 
     return [
@@ -51,12 +52,13 @@ def _patch_points() -> list[tuple[type, str]]:
         (FunctionMaker, "prepare_fgraph"),
         (FunctionMaker, "create"),
         (Supervisor, "on_validate"),
+        (destroyhandler_module(), "_contains_cycle"),
     ]
 
 
 def _install_once() -> None:
     """Run each speed-up's installer once (in order), remembering PyTensor's attributes before and after."""
-    from alchemist.pytensor_ext import compile_progress, fast_link, fast_supervisor, parallel_build
+    from alchemist.pytensor_ext import compile_progress, fast_cycles, fast_link, fast_supervisor, parallel_build
 
     if _patched or not pytensor_internals.tested():
         return
@@ -66,6 +68,7 @@ def _install_once() -> None:
     parallel_build.install()
     compile_progress.install()  # after the two above: its wrappers go around theirs
     fast_supervisor.install()
+    fast_cycles.install()
     for cls, name in points:
         _patched[cls, name] = (before[cls, name], cls.__dict__[name])
         setattr(cls, name, before[cls, name])  # applied only inside activated()

@@ -9,7 +9,7 @@ tests/test_pytensor_internals.py checks each one (it exists, and takes the argum
 moving to a new PyTensor starts with running that file.
 
 Under another PyTensor series `tested()` is False and one warning says so: the optional wrappers (fast_link,
-parallel_build, compile_progress, fast_supervisor) then stay off and PyTensor links, compiles and validates by
+parallel_build, compile_progress, fast_supervisor, fast_cycles) then stay off and PyTensor links, compiles and validates by
 its own paths; what is still used (the compiler's and BLAS's flags, the graph cache's FunctionMaker, which falls
 back to compiling afresh on any error) is what alchemist cannot do without.
 
@@ -63,6 +63,11 @@ SYMBOLS: dict[str, tuple[str, str, str]] = {
         "fast_supervisor reads its refresh_droot_impact() maps",
     ),
     "InconsistencyError": ("pytensor.graph.utils", "InconsistencyError", "fast_supervisor refuses a graph with it"),
+    "contains_cycle": (
+        "pytensor.graph.destroyhandler",
+        "_contains_cycle",
+        "fast_cycles answers its question faster and takes its place in the module DestroyHandler.validate reads",
+    ),
     "blas_ldflags": ("pytensor.tensor.blas._core", "ldflags", "the kernels link PyTensor's BLAS"),
     "blas_header_text": ("pytensor.tensor.blas.c_code.blas_headers", "blas_header_text", "the kernels' BLAS"),
     "blas_header_version": (
