@@ -73,7 +73,7 @@ class ToySlotEngine:
             self.stats.decode_rows += len(slots)
             return np.stack([self._logits(s, p) for s, p in zip(slots, positions)])
 
-    def prefill(self, slot, ids, start, all_rows=False) -> np.ndarray:
+    def prefill(self, slot, ids, start, all_rows=False, logits=True) -> np.ndarray | None:
         if start % self.piece or not 0 < len(ids) <= self.chunk - start % self.chunk:
             raise AlchemistError(f"prefill must start at a multiple of {self.piece} and end within its chunk")
         with self.lock:
@@ -84,7 +84,7 @@ class ToySlotEngine:
             self.stats.prefill_tokens += len(ids)
             if all_rows:
                 return np.stack([self._logits(slot, p) for p in range(start, start + len(ids))])
-            return self._logits(slot, start + len(ids) - 1)
+            return self._logits(slot, start + len(ids) - 1) if logits else None
 
     def chunk_plan(self, n: int, start: int = 0, pieces: bool = False) -> list[tuple[int, int]]:
         plan, a = [], start

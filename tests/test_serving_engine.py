@@ -198,8 +198,9 @@ def test_ggml_attention_reads_each_slots_rows_in_place(slot_engines, reference_l
 
 def test_a_prompt_in_pieces_gives_what_it_gives_in_chunks(slot_engines):
     """Prefilled in pieces (half chunks: the scheduler's steps beside decoding streams) or in whole chunks, a
-    sequence ends with the same logits and continues the same; a piece starts at a multiple of the piece and never
-    runs past its chunk (its padding included); a piece must divide the chunk."""
+    sequence ends with the same logits and continues the same, also when only the last step computes logits (the
+    others give None and skip the output projection); a piece starts at a multiple of the piece and never runs
+    past its chunk (its padding included); a piece must divide the chunk."""
     from alchemist.errors import AlchemistError
     from alchemist.runtime.slot_engine import SlotEngine
 
@@ -209,8 +210,9 @@ def test_a_prompt_in_pieces_gives_what_it_gives_in_chunks(slot_engines):
     assert se.chunk_plan(20, 4) == [(4, 8), (8, 16), (16, 20)]  # begun in pieces: on to the chunk's end in pieces
     seq = _sequences(se.n_vocab, lengths=(13,))[0]
     pieces = [se.prefill(0, seq[a:b], a) for a, b in se.chunk_plan(len(seq), pieces=True)][-1]
-    chunks = [se.prefill(1, seq[a:b], a) for a, b in se.chunk_plan(len(seq))][-1]
-    np.testing.assert_allclose(pieces, chunks, rtol=1e-5, atol=1e-5)
+    chunks = [se.prefill(1, seq[a:b], a, logits=b == len(seq)) for a, b in se.chunk_plan(len(seq))]
+    assert chunks[0] is None and chunks[-1].shape == (se.n_vocab,)
+    np.testing.assert_allclose(pieces, chunks[-1], rtol=1e-5, atol=1e-5)
     both = se.decode([0, 1], [5, 5], [13, 13])
     np.testing.assert_allclose(both[0], both[1], rtol=1e-5, atol=1e-5)
     with pytest.raises(AlchemistError, match="multiple of the prefill piece"):

@@ -186,9 +186,16 @@ class SlotEngine:
         slots = pt.tensor("slots", dtype="int64", shape=(n_seq,))
         attend_len = pt.scalar("attend_len", dtype="int64")
         n_valid = pt.scalar("n_valid", dtype="int64")
+        inputs = [tokens, positions, slots, attend_len, n_valid]
         # decode: the logits of the real rows only (padding rows come last); prefill: of its last real token, or
+        # of none (n_logits 0: a piece or chunk before the prompt's last, which skips the output projection), or
         # of each of its real tokens (all_rows: a prompt's log-probabilities)
-        rows = pt.arange(n_valid) if n_tokens == 1 or all_rows else (n_valid - 1)[None]
+        if n_tokens == 1 or all_rows:
+            rows = pt.arange(n_valid)
+        else:
+            n_logits = pt.scalar("n_logits", dtype="int64")
+            inputs.append(n_logits)
+            rows = pt.arange(n_valid - n_logits, n_valid)
         logits, new_cache = self.module.forward(
             self.engine.weights,
             tokens,
@@ -207,7 +214,7 @@ class SlotEngine:
         updates = []
         for caches, new in zip(self.cache, new_cache):
             updates += list(zip(caches, new))
-        return [tokens, positions, slots, attend_len, n_valid], logits, updates
+        return inputs, logits, updates
 
     def _cache_writes_flat(self, logits, new_cache):
         """Lower each slot-cache write `set_subtensor(cache[slots[:, None], rows], kv)` to a write into the
@@ -288,6 +295,7 @@ class SlotEngine:
             "static": self.engine.static,
             "numerics": self.engine.numerics,
             **({"all_rows": True} if all_rows else {}),  # absent otherwise: the cached steps keep their keys
+            **({"n_logits": "input"} if n_tokens > 1 and not all_rows else {}),  # prefill's sixth input
         }
         return graph_cache.step_key(
             getattr(self.module, _SOURCE_SHA256), self.engine.backend, self.engine.mode, shared, spec
@@ -306,7 +314,8 @@ class SlotEngine:
                 # the pad slot holds nothing that is ever read as a key of a real sequence
                 tok = np.zeros((n_seq, n_tokens), np.int64)
                 pos = np.broadcast_to(np.arange(n_tokens, dtype=np.int64), (n_seq, n_tokens)).copy()
-                fn(tok, pos, np.full(n_seq, self.pad_slot, np.int64), np.int64(n_tokens), np.int64(1))
+                logit_rows = (np.int64(1),) if n_tokens > 1 else ()
+                fn(tok, pos, np.full(n_seq, self.pad_slot, np.int64), np.int64(n_tokens), np.int64(1), *logit_rows)
 
     # -- running -----------------------------------------------------------------------------------
     def _check_slot(self, slot: int) -> int:
@@ -356,10 +365,14 @@ class SlotEngine:
                 self._checkpoint(s, p + 1)
         return np.asarray(out, dtype=np.float32)[:n]
 
-    def prefill(self, slot: int, ids: Sequence[int], start: int, all_rows: bool = False) -> np.ndarray:
+    def prefill(
+        self, slot: int, ids: Sequence[int], start: int, all_rows: bool = False, logits: bool = True
+    ) -> np.ndarray | None:
         """Write the KV of ids at positions start..start+len(ids)-1 of `slot` and return the float32 logits
-        (n_vocab,) of the last id, or with all_rows those of every id, (len(ids), n_vocab). One call = one chunk
-        or a piece of one: `start` is a multiple of `piece` and the ids end within start's chunk (use chunk_plan)."""
+        (n_vocab,) of the last id, or with all_rows those of every id, (len(ids), n_vocab), or with logits=False
+        none (None: the step skips the output projection, for a piece before the prompt's last). One call = one
+        chunk or a piece of one: `start` is a multiple of `piece` and the ids end within start's chunk (use
+        chunk_plan)."""
         slot = self._check_slot(slot)
         ids = self._check_tokens(ids)
         start = int(start)
@@ -386,12 +399,15 @@ class SlotEngine:
         pos = (start + np.arange(size, dtype=np.int64))[None, :]
         with self.lock:
             fn = self.step_function(1, size, all_rows)
-            out = fn(tok, pos, np.array([slot], np.int64), np.int64(start + len(ids)), np.int64(len(ids)))
+            logit_rows = () if all_rows else (np.int64(1 if logits else 0),)
+            out = fn(tok, pos, np.array([slot], np.int64), np.int64(start + len(ids)), np.int64(len(ids)), *logit_rows)
             self.stats.prefill_chunks += 1
             self.stats.prefill_tokens += len(ids)
             self._checkpoint(slot, start + len(ids))
         out = np.asarray(out, dtype=np.float32)
-        return out if all_rows else out[0]
+        if all_rows:
+            return out
+        return out[0] if logits else None
 
     def chunk_plan(self, n: int, start: int = 0, pieces: bool = False) -> list[tuple[int, int]]:
         """[(a, b), ...] position ranges covering [start, n), boundaries at absolute multiples of chunk (with

@@ -331,7 +331,9 @@ class Scheduler:
         pieces = {"pieces": True} if self._decoding() and getattr(self.engine, "piece", None) else {}
         a, b = self.engine.chunk_plan(len(prompt), slot.prompt_done, **pieces)[0]
         try:
-            logits = self.engine.prefill(slot.index, prompt[a:b], a, **({"all_rows": True} if scoring else {}))
+            # logits where they are read: every row when scoring, else the prompt's last token only
+            wanted = {"all_rows": True} if scoring else {"logits": b == len(prompt)}
+            logits = self.engine.prefill(slot.index, prompt[a:b], a, **wanted)
         except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
             slot.kv_ids = []
             self._finish(slot, "error", error=f"prefill failed: {e}")
