@@ -137,6 +137,27 @@ def test_slot_attention_reads_in_place_what_the_op_reads_gathered(name):
                 fn(*args, np.full(n_seq, n_slots, np.int64))
 
 
+def test_the_slot_op_is_not_taken_for_the_gathered_one():
+    """SlotAttentionGgml and CausalAttentionGgml share a base, neither derives from the other: a backend's per-Op
+    registry (Numba's, JAX's, MLX's funcify, keyed by class) never runs the gathered Op's code on the slot Op's
+    inputs. On Numba, which has no conversion of the slot Op, it runs its perform (the same bits as C)."""
+    assert not issubclass(SlotAttentionGgml, CausalAttentionGgml) and not issubclass(
+        CausalAttentionGgml, SlotAttentionGgml
+    )
+    pytest.importorskip("numba")
+    (n_head, n_kv_head, dim, window, scale, softcap, has_sinks), cases = CASES["gqa"]
+    rng = np.random.default_rng(9)
+    symbols = _symbols(has_sinks)
+    slots = pt.vector("slots", dtype="int64")
+    out = SlotAttentionGgml(n_head, n_kv_head, dim, window, scale, softcap, has_sinks)(*symbols[:5], slots)
+    c_fn, numba_fn = (pytensor.function([*symbols, slots], out, mode=get_mode(b)) for b in ("c", "numba"))
+    n_seq, n_tok, n_keys, empty = cases[-1]
+    q, _, _, q_pos, k_pos = _case(rng, n_seq, n_tok, n_keys, n_head, n_kv_head, dim, empty)
+    caches = [rng.standard_normal((n_seq + 1, n_keys + 3, n_kv_head, dim)).astype(np.float32) for _ in range(2)]
+    slot_ids = np.array([2, 0], np.int64)
+    assert _bits_differ(numba_fn(q, *caches, q_pos, k_pos, slot_ids), c_fn(q, *caches, q_pos, k_pos, slot_ids)) == 0
+
+
 def test_v_expf_and_vec_dot_transcriptions():
     """ggml_v_expf is exp to about 1.5 ulp over its range, +0 at -inf; vec_dot is the dot product (its tail too)."""
     x = np.concatenate([np.linspace(-103, 88, 20001), [0.0, -1e-30, 1e-30]]).astype(np.float32)

@@ -191,48 +191,46 @@ def attention_ggml_reference(q, keys, values, q_positions, key_positions, window
 _GLUE_VERSION = 3  # bump when c_code (the Python-side glue) changes; the kernel source is hashed
 
 
-# -- the Op ------------------------------------------------------------------------------------------------
-class CausalAttentionGgml(COp):
-    """causal_attention(q, keys, values, q_positions, key_positions[, sinks]) as ggml computes it (module
-    docstring). q (B*T, N_HEAD, HEAD_DIM), keys/values (B, S, N_KV_HEAD, HEAD_DIM) float32, positions int64
-    (B, T) and (B, S), sinks (N_HEAD,) float32 when has_sinks -> (B*T, N_HEAD*HEAD_DIM) float32.
-    scale multiplies q·k (1.0 where the queries are pre-scaled), then the softcap (0: none) applies."""
-
-    computes_ggml_kernel = True  # kernels.expansion: JAX and MLX call its C code where they can
+# -- the Ops ------------------------------------------------------------------------------------------------
+class _AttentionGgml(COp):
+    """What the two ggml attention Ops share: their parameters, the input checks of make_node, the C source and
+    its build flags, the C glue (_glue). Each Op below is its own class (not one a subclass of the other), so a
+    backend's per-Op registry (Numba's, JAX's and MLX's funcify) never takes one for the other."""
 
     __props__ = ("n_head", "n_kv_head", "head_dim", "window", "scale", "softcap", "has_sinks")
 
     def __init__(self, n_head, n_kv_head, head_dim, window=0, scale=1.0, softcap=0.0, has_sinks=False):
         self.n_head, self.n_kv_head, self.head_dim = int(n_head), int(n_kv_head), int(head_dim)
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"CausalAttentionGgml: {n_head} query heads do not share {n_kv_head} KV heads evenly")
+            raise ValueError(f"{type(self).__name__}: {n_head} query heads do not share {n_kv_head} KV heads evenly")
         self.window = int(window or 0)
         self.scale = float(np.float32(scale))
         self.softcap = float(np.float32(softcap or 0.0))
         self.has_sinks = bool(has_sinks)
 
-    def make_node(self, q, keys, values, q_positions, key_positions, *sinks):
+    def _checked_inputs(self, q, keys, values, q_positions, key_positions, *sinks) -> list:
+        """[q, keys, values, q_positions, key_positions(, sinks)] as the C code takes them, or a TypeError."""
         q, keys, values = (pt.as_tensor_variable(x) for x in (q, keys, values))
         q_positions, key_positions = pt.as_tensor_variable(q_positions), pt.as_tensor_variable(key_positions)
         for name, x, nd in (("q", q, 3), ("keys", keys, 4), ("values", values, 4)):
             if x.type.dtype != "float32" or x.type.ndim != nd:
-                raise TypeError(f"CausalAttentionGgml: {name} must be a {nd}-d float32 tensor, got {x.type}")
+                raise TypeError(f"{type(self).__name__}: {name} must be a {nd}-d float32 tensor, got {x.type}")
         q_positions, key_positions = pt.cast(q_positions, "int64"), pt.cast(key_positions, "int64")
         inputs = [q, keys, values, q_positions, key_positions]
         if self.has_sinks != bool(sinks):
-            raise TypeError(f"CausalAttentionGgml(has_sinks={self.has_sinks}) called with {len(sinks)} sinks inputs")
+            raise TypeError(f"{type(self).__name__}(has_sinks={self.has_sinks}) called with {len(sinks)} sinks inputs")
         if sinks:
             inputs.append(pt.cast(pt.as_tensor_variable(sinks[0]), "float32"))
-        width = self.n_head * self.head_dim
-        out = pt.tensor(dtype="float32", shape=(q.type.shape[0], width))
-        return Apply(self, inputs, [out])
+        return inputs
+
+    def _output(self, q):
+        return pt.tensor(dtype="float32", shape=(q.type.shape[0], self.n_head * self.head_dim))
 
     def infer_shape(self, node, shapes):
         return [(shapes[0][0], self.n_head * self.head_dim)]
 
-    def perform(self, node, inputs, output_storage):
-        q, keys, values, qpos, kpos, *sinks = inputs
-        output_storage[0][0] = attention_ggml_reference(
+    def _reference(self, q, keys, values, qpos, kpos, sinks):
+        return attention_ggml_reference(
             q, keys, values, qpos, kpos, self.window, self.scale, self.softcap, sinks[0] if sinks else None
         )
 
@@ -248,10 +246,6 @@ class CausalAttentionGgml(COp):
         from alchemist.kernels.op import _openmp_flags
 
         return ["gomp"] if _openmp_flags() else []
-
-    def c_code(self, node, name, inputs, outputs, sub):
-        q, k, v, qp, kp, *sk = inputs
-        return self._glue(name, q, k, v, qp, kp, None, sk, outputs[0], sub["fail"])
 
     def _glue(self, name, q, k, v, qp, kp, slots, sk, out, fail):
         """The C that checks the inputs' shapes and calls attend() (attend_slots() with a slots vector: k and v
@@ -329,20 +323,41 @@ class CausalAttentionGgml(COp):
         return (_GLUE_VERSION, int(hashlib.sha256(ATTENTION_C.encode()).hexdigest()[:12], 16))
 
 
-class SlotAttentionGgml(CausalAttentionGgml):
+class CausalAttentionGgml(_AttentionGgml):
+    """causal_attention(q, keys, values, q_positions, key_positions[, sinks]) as ggml computes it (module
+    docstring). q (B*T, N_HEAD, HEAD_DIM), keys/values (B, S, N_KV_HEAD, HEAD_DIM) float32, positions int64
+    (B, T) and (B, S), sinks (N_HEAD,) float32 when has_sinks -> (B*T, N_HEAD*HEAD_DIM) float32.
+    scale multiplies q·k (1.0 where the queries are pre-scaled), then the softcap (0: none) applies."""
+
+    computes_ggml_kernel = True  # kernels.expansion: JAX and MLX call its C code where they can
+
+    def make_node(self, q, keys, values, q_positions, key_positions, *sinks):
+        inputs = self._checked_inputs(q, keys, values, q_positions, key_positions, *sinks)
+        return Apply(self, inputs, [self._output(inputs[0])])
+
+    def perform(self, node, inputs, output_storage):
+        q, keys, values, qpos, kpos, *sinks = inputs
+        output_storage[0][0] = self._reference(q, keys, values, qpos, kpos, sinks)
+
+    def c_code(self, node, name, inputs, outputs, sub):
+        q, k, v, qp, kp, *sk = inputs
+        return self._glue(name, q, k, v, qp, kp, None, sk, outputs[0], sub["fail"])
+
+
+class SlotAttentionGgml(_AttentionGgml):
     """CausalAttentionGgml reading each sequence's keys and values in place in a slot cache: (q, k_cache, v_cache,
     q_positions, key_positions, slots[, sinks]), caches (SLOTS, ROWS, N_KV_HEAD, HEAD_DIM), sequence b's S keys
     (S = key_positions' width) in the first S rows of slot slots[b]. The same arithmetic on the same values as
     CausalAttentionGgml(q, k_cache[:, :S][slots], ...), without gathering the rows (alchemist.runtime.slot_engine
-    lowers that gather to this on C)."""
+    lowers that gather to this on C, the only backend it is made for: no other backend converts it)."""
 
     def make_node(self, q, k_cache, v_cache, q_positions, key_positions, slots, *sinks):
-        node = super().make_node(q, k_cache, v_cache, q_positions, key_positions, *sinks)
+        inputs = self._checked_inputs(q, k_cache, v_cache, q_positions, key_positions, *sinks)
         slots = pt.as_tensor_variable(slots)
         if slots.type.ndim != 1 or not slots.type.dtype.startswith(("int", "uint")):
             raise TypeError(f"SlotAttentionGgml: slots must be a vector of integers, got {slots.type}")
-        inputs = node.inputs[:5] + [pt.cast(slots, "int64")] + node.inputs[5:]
-        return Apply(self, inputs, [node.outputs[0].type()])
+        inputs = inputs[:5] + [pt.cast(slots, "int64")] + inputs[5:]
+        return Apply(self, inputs, [self._output(inputs[0])])
 
     def perform(self, node, inputs, output_storage):
         q, k_cache, v_cache, qpos, kpos, slots, *sinks = inputs
@@ -350,7 +365,7 @@ class SlotAttentionGgml(CausalAttentionGgml):
         if n_keys > k_cache.shape[1] or np.any((slots < 0) | (slots >= k_cache.shape[0])):
             raise ValueError("SlotAttentionGgml: a slot or key row outside the cache")
         keys, values = k_cache[slots, :n_keys], v_cache[slots, :n_keys]
-        super().perform(node, [q, keys, values, qpos, kpos, *sinks], output_storage)
+        output_storage[0][0] = self._reference(q, keys, values, qpos, kpos, sinks)
 
     def c_code(self, node, name, inputs, outputs, sub):
         q, k, v, qp, kp, slots, *sk = inputs
