@@ -16,18 +16,16 @@
 #define AQ_AVX2 0
 #endif
 
-/* VNNI (AVX-512 VNNI with VL, or AVX-VNNI): vpdpbusd sums four u8 x s8 products into each int32 lane, vpdpwssd
-   two int16 x int16 products, each in one instruction and without saturating. Used for two or more activation
-   rows of the 32-blocks (vnni_rows) and in the K-quants' panels (panel_gemm_k); -DALCHEMIST_VNNI=0 turns it off
-   on a CPU that has it (the tests compare both). */
+/* VNNI's vpdpbusd (AVX-512 VNNI with VL, or AVX-VNNI): four u8 x s8 products summed into each int32 lane in one
+   instruction, without saturating. Used for two or more activation rows of the 32-blocks (vnni_rows);
+   -DALCHEMIST_VNNI=0 turns it off on a CPU that has it (the tests compare both). In the K-quants' panels
+   vpdpwssd in place of madd + add measured no faster, so they keep the AVX2 sequence. */
 #if AQ_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define AQ_VNNI_HW 1
 #define aq_dpbusd(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#define aq_dpwssd(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
 #elif AQ_AVX2 && defined(__AVXVNNI__)
 #define AQ_VNNI_HW 1
 #define aq_dpbusd(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
-#define aq_dpwssd(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
 #else
 #define AQ_VNNI_HW 0
 #endif
@@ -1905,14 +1903,8 @@ static void panel_gemm_32(const Panel *p, const ActRows *a, const int8_t *zeros,
    one fma) and acc = fma(res, dx, acc) as 8-lane vector operations, each lane the scalar's float steps. */
 enum { K_CHUNK = 4 };
 
-/* acc + a . b summed in int16 pairs (madd then add; one vpdpwssd where there is VNNI: the same int32) */
-static inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
-#if AQ_VNNI
-    return aq_dpwssd(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
+/* acc + a . b summed in int16 pairs */
+static inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 
 /* the lane sums of v0 .. v3: [sum v0, sum v1, sum v2, sum v3] (int32 adds in another order: the same integers) */
 static inline __m128i lane_sums4(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
