@@ -215,6 +215,8 @@ def test_a_prompt_in_pieces_gives_what_it_gives_in_chunks(slot_engines):
     np.testing.assert_allclose(pieces, chunks[-1], rtol=1e-5, atol=1e-5)
     both = se.decode([0, 1], [5, 5], [13, 13])
     np.testing.assert_allclose(both[0], both[1], rtol=1e-5, atol=1e-5)
+    ones = SlotEngine(engine, 2, chunk=8, decode_buckets=(2,), piece=1)  # a one-token step is the one-row decode's
+    assert ones.prefill(0, seq[:1], 0, logits=False) is None and ones.prefill(0, seq[1:2], 1).shape == (se.n_vocab,)
     with pytest.raises(AlchemistError, match="multiple of the prefill piece"):
         se.prefill(0, seq[:2], 2)
     with pytest.raises(AlchemistError, match="ends within its chunk"):

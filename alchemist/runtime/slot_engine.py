@@ -399,7 +399,8 @@ class SlotEngine:
         pos = (start + np.arange(size, dtype=np.int64))[None, :]
         with self.lock:
             fn = self.step_function(1, size, all_rows)
-            logit_rows = () if all_rows else (np.int64(1 if logits else 0),)
+            # a step of one token is the one-row decode step, which gives its row's logits (no n_logits input)
+            logit_rows = () if all_rows or size == 1 else (np.int64(1 if logits else 0),)
             out = fn(tok, pos, np.array([slot], np.int64), np.int64(start + len(ids)), np.int64(len(ids)), *logit_rows)
             self.stats.prefill_chunks += 1
             self.stats.prefill_tokens += len(ids)
