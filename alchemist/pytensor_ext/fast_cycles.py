@@ -10,15 +10,14 @@ algorithm over both); on the 22-layer Gemma 3n fixture's graphs (3,000 nodes) ea
 inputs (a variable is visited right after its owner, so waiting for the variable is waiting for its owner) and for
 each of its orderings, counted with multiplicity as PyTensor counts them (a FunctionGraph's inputs have no owner).
 An ordering on an apply node outside the graph never becomes visitable there, so PyTensor reports a cycle; here
-such a parent is never visited either. Same question, same answer (tests/test_pytensor_internals.py compares both on graphs with and without cycles); `install()` makes it the
-one DestroyHandler.validate calls, inside alchemist's activated() only.
+such a parent is never visited either. Same question, same answer (tests/test_pytensor_internals.py compares both
+on graphs with and without cycles); `install()` makes it the one DestroyHandler.validate calls, inside alchemist's
+activated() only (alchemist.pytensor_ext.host installs it once, under the tested PyTensor series).
 """
 
 from __future__ import annotations
 
 from alchemist.pytensor_ext import pytensor_internals
-
-_installed = False
 
 
 def contains_cycle(fgraph, orderings) -> bool:
@@ -60,15 +59,7 @@ def destroyhandler_module():
     return sys.modules[pytensor_internals.DestroyHandler.__module__]
 
 
-def install() -> bool:
-    """Make destroyhandler._contains_cycle this one (once per process); False under an untested PyTensor."""
-    global _installed
-    if _installed:
-        return True
-    if not pytensor_internals.tested():
-        return False
-    module = destroyhandler_module()
+def install() -> None:
+    """Make destroyhandler._contains_cycle this one (host._install_once records PyTensor's and swaps them)."""
     contains_cycle.pytensor_contains_cycle = pytensor_internals.contains_cycle
-    module._contains_cycle = contains_cycle
-    _installed = True
-    return True
+    destroyhandler_module()._contains_cycle = contains_cycle
