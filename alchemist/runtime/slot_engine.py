@@ -52,6 +52,13 @@ SERVING_BACKENDS = ("c", "numba")
 MAX_CHECKPOINTS = 16  # recurrent-state checkpoints a slot keeps (the oldest go first)
 
 
+def _takes_n_logits(n_tokens: int, all_rows: bool = False) -> bool:
+    """Whether the step for n_tokens tokens per sequence has the n_logits input (a prefill giving its last token's
+    logits or none). A step of one token is the one-row decode step, which gives its row's logits, and an all_rows
+    prefill gives every row's."""
+    return n_tokens > 1 and not all_rows
+
+
 @dataclass
 class SlotStats:
     compile_count: int = 0
@@ -190,7 +197,7 @@ class SlotEngine:
         # decode: the logits of the real rows only (padding rows come last); prefill: of its last real token, or
         # of none (n_logits 0: a piece or chunk before the prompt's last, which skips the output projection), or
         # of each of its real tokens (all_rows: a prompt's log-probabilities)
-        if n_tokens == 1 or all_rows:
+        if not _takes_n_logits(n_tokens, all_rows):
             rows = pt.arange(n_valid)
         else:
             n_logits = pt.scalar("n_logits", dtype="int64")
@@ -295,7 +302,7 @@ class SlotEngine:
             "static": self.engine.static,
             "numerics": self.engine.numerics,
             **({"all_rows": True} if all_rows else {}),  # absent otherwise: the cached steps keep their keys
-            **({"n_logits": "input"} if n_tokens > 1 and not all_rows else {}),  # prefill's sixth input
+            **({"n_logits": "input"} if _takes_n_logits(n_tokens, all_rows) else {}),  # prefill's sixth input
         }
         return graph_cache.step_key(
             getattr(self.module, _SOURCE_SHA256), self.engine.backend, self.engine.mode, shared, spec
@@ -314,7 +321,7 @@ class SlotEngine:
                 # the pad slot holds nothing that is ever read as a key of a real sequence
                 tok = np.zeros((n_seq, n_tokens), np.int64)
                 pos = np.broadcast_to(np.arange(n_tokens, dtype=np.int64), (n_seq, n_tokens)).copy()
-                logit_rows = (np.int64(1),) if n_tokens > 1 else ()
+                logit_rows = (np.int64(1),) if _takes_n_logits(n_tokens) else ()
                 fn(tok, pos, np.full(n_seq, self.pad_slot, np.int64), np.int64(n_tokens), np.int64(1), *logit_rows)
 
     # -- running -----------------------------------------------------------------------------------
@@ -399,8 +406,7 @@ class SlotEngine:
         pos = (start + np.arange(size, dtype=np.int64))[None, :]
         with self.lock:
             fn = self.step_function(1, size, all_rows)
-            # a step of one token is the one-row decode step, which gives its row's logits (no n_logits input)
-            logit_rows = () if all_rows or size == 1 else (np.int64(1 if logits else 0),)
+            logit_rows = (np.int64(1 if logits else 0),) if _takes_n_logits(size, all_rows) else ()
             out = fn(tok, pos, np.array([slot], np.int64), np.int64(start + len(ids)), np.int64(len(ids)), *logit_rows)
             self.stats.prefill_chunks += 1
             self.stats.prefill_tokens += len(ids)
