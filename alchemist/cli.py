@@ -230,7 +230,18 @@ def _cmd_run(args) -> int:
     from alchemist.runtime.api import precompile
 
     numerics = _numerics(args)
-    model = load_llm(args.model, backend=args.backend, context=args.context, compile_now=False, numerics=numerics)
+    if args.devices > 1:
+        numerics = _devices_setup(args)
+    model = load_llm(
+        args.model,
+        backend=args.backend,
+        context=args.context,
+        compile_now=False,
+        numerics=numerics,
+        devices=args.devices,
+    )
+    if args.devices > 1:
+        _print_device_memory(model)
     if args.tokens:
         prompt = [int(t) for t in args.tokens.split(",")]
     else:
@@ -268,6 +279,34 @@ def _cmd_run(args) -> int:
     if args.report:
         Path(args.report).write_text(json.dumps(r, indent=2))
     return 0
+
+
+def _devices_setup(args) -> str:
+    """--devices N: the jax backend, exact numerics (the default there), and with --coordinator this process's
+    place in a multi-process run (before JAX starts)."""
+    if args.backend != "jax":
+        raise AlchemistError(f"--devices {args.devices} runs on --backend jax (got --backend {args.backend})")
+    if args.numerics not in (None, "exact"):
+        raise AlchemistError(f"--devices {args.devices} computes with --numerics exact (got {args.numerics})")
+    if args.coordinator:
+        from alchemist.runtime import sharding
+
+        if args.devices % args.num_processes:
+            raise AlchemistError(f"--devices {args.devices} does not divide over {args.num_processes} processes")
+        local = args.devices // args.num_processes
+        sharding.init_distributed(args.coordinator, args.num_processes, args.process_id, local)
+    return "exact"
+
+
+def _print_device_memory(model) -> None:
+    from alchemist.runtime import sharding
+
+    print(model.engine.placement.layout.describe(model.ir), file=sys.stderr)
+    held = sharding.device_memory(model.engine)
+    print(
+        "per device (weights + KV cache): " + ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in held.items()),
+        file=sys.stderr,
+    )
 
 
 def _cmd_fixture(args) -> int:
@@ -556,6 +595,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--report", help="write the JSON report here")
     _add_numerics(p)
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="split the model over N JAX devices (tensor parallel; --backend jax, exact numerics; on CPU set "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N)",
+    )
+    p.add_argument("--coordinator", help="HOST:PORT of process 0, to run as one of several jax.distributed processes")
+    p.add_argument("--num-processes", type=int, default=1, help="with --coordinator: how many processes")
+    p.add_argument("--process-id", type=int, default=0, help="with --coordinator: this process's index")
     p.set_defaults(fn=_cmd_run)
 
     p = sub.add_parser("fixture", help="write a tiny random-weight GGUF for tests")

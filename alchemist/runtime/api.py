@@ -169,6 +169,18 @@ def _gc_paused(fn):
 
 
 @_gc_paused
+def check_devices(devices: int, backend: str, numerics: str) -> None:
+    if not isinstance(devices, int) or devices < 1:
+        raise AlchemistError(f"devices must be a whole number >= 1, got {devices!r}")
+    if devices > 1 and backend != "jax":
+        raise AlchemistError(f"devices={devices}: a model across devices runs on backend='jax', not {backend!r}")
+    if devices > 1 and numerics != "exact":
+        raise AlchemistError(
+            f"devices={devices} with numerics={numerics!r}: across devices the model computes with "
+            f"numerics='exact' (the ggml kernels run on whole weights, so every device would gather them)"
+        )
+
+
 def load_llm(
     path: str | os.PathLike,
     backend: str = "c",
@@ -178,6 +190,7 @@ def load_llm(
     compile_now: bool = True,
     weights: str | None = None,
     numerics: str = DEFAULT_NUMERICS,
+    devices: int = 1,
 ) -> LoadedModel:
     """Generate (or reuse) the PyTensor module for a GGUF file (or a reference model's name), load its weights
     and compile decoding.
@@ -190,7 +203,9 @@ def load_llm(
     numerics: "ggml" (default) computes as llama.cpp's CPU backend does (activations rounded to each weight's
     vec_dot_type, ggml's GELU table), "exact" multiplies exact activations (alchemist.runtime.numerics); the
     model's `module` stays the generated module (what alchemist.symbolic differentiates), `engine.module` is
-    the one the engine computes with."""
+    the one the engine computes with.
+    devices: on JAX, the model split over this many devices (tensor parallel: alchemist.runtime.sharding), each
+    holding its part of the weights and KV cache; with several processes, call sharding.init_distributed first."""
     from alchemist.audit import require_passing_audit
     from alchemist.runtime.engine import Engine, import_generated
 
@@ -199,6 +214,7 @@ def load_llm(
     require_backend(backend)
     check_numerics(numerics)
     check_weights(weights, backend, numerics)
+    check_devices(devices, backend, numerics)
     t0 = time.perf_counter()
     path = resolve_model(path)  # a file, a snapshot directory, or a reference model's name ("gemma-3-270m")
     facts = read_model(path)
@@ -210,16 +226,24 @@ def load_llm(
     total = sum(t.nbytes for t in ir.tensors)
     t_w = time.perf_counter()
     quantized = weights_format == "quantized"
+    load, placement = module.load_weights, None
+    if devices > 1:
+        from alchemist.runtime import sharding
+
+        lay = sharding.layout(ir, devices)
+        placement = sharding.Placement(lay, sharding.make_mesh(devices))
+        if not getattr(facts, "source_files", ()):  # a GGUF file: each device's part read on its own
+            load = functools.partial(sharding.load_sharded, module, lay=lay, mesh=placement.mesh)
     if progress:
         from tqdm.auto import tqdm  # imported only to show the bar (tqdm.auto takes ~0.1 s to import)
 
         with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", leave=False) as bar:
-            tensors = module.load_weights(path, progress=lambda name, nbytes: bar.update(nbytes), quantized=quantized)
+            tensors = load(path, progress=lambda name, nbytes: bar.update(nbytes), quantized=quantized)
     else:
-        tensors = module.load_weights(path, quantized=quantized)
+        tensors = load(path, quantized=quantized)
     weights_seconds = time.perf_counter() - t_w
     capacity = max(1, min(int(context), ir.n_ctx_train))
-    engine = Engine(module, tensors, backend, capacity, numerics=numerics)
+    engine = Engine(module, tensors, backend, capacity, numerics=numerics, placement=placement)
     del tensors
     if progress:  # a bar while a step function compiles: rewriting, then C modules linked / total
         from alchemist.pytensor_ext.compile_progress import TqdmProgress

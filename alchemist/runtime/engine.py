@@ -25,7 +25,7 @@ import pytensor.tensor as pt
 
 from alchemist.pytensor_ext import compile_progress, parallel_build, pytensor_internals
 from alchemist.pytensor_ext.host import activated, one_blas_thread
-from alchemist.runtime import graph_cache
+from alchemist.runtime import graph_cache, sharding
 from alchemist.runtime.backends import get_mode, static_shapes
 from alchemist.runtime.numerics import primitives
 
@@ -161,9 +161,19 @@ class Engine:
     `numerics` (alchemist.runtime.numerics: "exact", the module's EXACT; "ggml", llama.cpp's loops)."""
 
     def __init__(
-        self, module: ModuleType, weights: dict[str, np.ndarray], backend: str, capacity: int, numerics: str = "exact"
+        self,
+        module: ModuleType,
+        weights: dict,
+        backend: str,
+        capacity: int,
+        numerics: str = "exact",
+        placement: sharding.Placement | None = None,
     ):
+        """weights: numpy arrays, or (with a placement, on JAX) jax.Arrays already cut as it says."""
+        if placement is not None and backend != "jax":
+            raise AlchemistError(f"a model across devices runs on the jax backend, not {backend!r}")
         self.module = module
+        self.placement = placement
         self.numerics = numerics
         self.ops = primitives(module, numerics)
         self.backend = backend
@@ -173,9 +183,7 @@ class Engine:
         self.capacity = int(capacity)
         self.static = static_shapes(backend)
         # Static shapes: rewrites and the JAX/MLX tracers see every weight and cache dimension as a constant.
-        self.weights = {
-            name: pytensor.shared(arr, name=name, borrow=True, shape=arr.shape) for name, arr in weights.items()
-        }
+        self.weights = {name: _shared_weight(name, arr) for name, arr in weights.items()}
         # per layer its caches (K and V; a convolution layer's B·X rows), a row per position, or a Mamba-2 layer's
         # states; the position the states have reached (a sequence continues from there or starts at 0)
         self.states = state_kinds(module)
@@ -205,6 +213,9 @@ class Engine:
         Storing device arrays in the containers makes every call zero-copy; updated caches come back as
         device arrays too.
         """
+        if self.placement is not None:
+            self._place_on_devices()
+            return
         if self.backend == "jax":
             import jax
 
@@ -216,6 +227,17 @@ class Engine:
         shared = list(self.weights.values()) + [sv for caches in self.cache for sv in caches]
         for sv in shared:
             sv.container.storage[0] = to_device(sv.container.storage[0])
+
+    def _place_on_devices(self) -> None:
+        """Cut the weights and caches held as numpy over the placement's devices (weights loaded sharded already
+        are jax.Arrays and stay as they are)."""
+        put = self.placement
+        for name, sv in self.weights.items():
+            if isinstance(sv.container.storage[0], np.ndarray):
+                sv.container.storage[0] = sharding.place(sv.container.storage[0], put.weight(name))
+        for i, (kinds, caches) in enumerate(zip(layer_caches(self.module), self.cache)):
+            for (kind, _), sv in zip(kinds, caches):
+                sv.container.storage[0] = sharding.place(np.asarray(sv.container.storage[0]), put.cache(i, kind))
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Swap in new weights of identical names and shapes without recompiling anything."""
@@ -431,11 +453,11 @@ class Engine:
     def _run_steps(self, token_ids: list[int], start_pos: int, all_logits: bool) -> np.ndarray:
         if len(token_ids) == 1:
             out = self.step_function(1, all_logits)(np.array(token_ids, np.int64), np.int64(start_pos), np.int64(1))
-            return np.asarray(out)
+            return sharding.host(out)
         if not all_logits and self._decode_is_quicker(len(token_ids), start_pos):
             for i, token in enumerate(token_ids):
                 out = self._functions[(1, False)](np.array([token], np.int64), np.int64(start_pos + i), np.int64(1))
-            return np.asarray(out)
+            return sharding.host(out)
         outs = []
         pos, rest = start_pos, token_ids
         while rest:
@@ -444,7 +466,8 @@ class Engine:
             padded = np.zeros(b, np.int64)
             padded[: len(chunk)] = chunk
             out = self.step_function(b, all_logits)(padded, np.int64(pos), np.int64(len(chunk)))
-            outs.append(np.asarray(out)[: len(chunk)] if all_logits else np.asarray(out))
+            out = sharding.host(out)
+            outs.append(out[: len(chunk)] if all_logits else out)
             pos += len(chunk)
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
 
@@ -469,6 +492,18 @@ class Engine:
                     sv.set_value(np.zeros(sv.type.shape, np.float32), borrow=True)
             if self.backend in ("jax", "mlx"):
                 self._place_on_device()
+
+
+def _shared_weight(name: str, value):
+    """A weight's shared variable. A jax.Array (sharded: parts on several devices, maybe several processes)
+    goes into the container as it is, behind a zero-byte numpy stand-in of its dtype and shape: the
+    variable's filter would otherwise gather the whole array into one host copy."""
+    if isinstance(value, np.ndarray):
+        return pytensor.shared(value, name=name, borrow=True, shape=value.shape)
+    stand_in = np.broadcast_to(np.zeros((), _dtype_name(value)), value.shape)
+    sv = pytensor.shared(stand_in, name=name, borrow=True, shape=value.shape)
+    sv.container.storage[0] = value
+    return sv
 
 
 def _dtype_name(array) -> str:
