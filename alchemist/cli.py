@@ -389,6 +389,7 @@ def _cmd_validate(args) -> int:
         numerics=_numerics(args),
         oracle=args.oracle,
         gguf=args.gguf,
+        devices=args.devices,
     )
     stem = module_slug(Path(args.model).name) + _numerics_suffix(report["numerics"])
     paths = write_validation(report, args.output, stem)
@@ -650,6 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("-o", "--output", default="validation", help="report directory (default: validation/)")
     _add_numerics(p, rounding_alias=True)
+    p.add_argument("--devices", type=int, default=1, help="the jax backend's model split over N devices (with "
+                   "--numerics exact; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")  # fmt: skip
     p.set_defaults(fn=_cmd_validate)
 
     p = sub.add_parser(

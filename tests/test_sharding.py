@@ -213,3 +213,17 @@ def test_run_cli_splits_over_devices_and_prints_per_device_memory(llama_tp):
     assert [x.split()[0] for x in line.split(": ", 1)[1].split(", ")] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
     bad = subprocess.run(cmd[:-6] + ["--numerics", "ggml"], env=_env(4), capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--devices 4 computes with --numerics exact" in bad.stderr
+
+
+@pytest.mark.oracle
+def test_validate_on_four_devices_against_llama_cpp(llama_tp, tmp_path):
+    """`alchemist validate --backend jax --devices 4`: the split model against llama.cpp, position by position and
+    layer by layer (F32: every named intermediate), as the one-device model is validated."""
+    cmd = [sys.executable, "-m", "alchemist.cli", "validate", str(llama_tp), "--backend", "jax", "--devices", "4"]
+    cmd += ["--numerics", "exact", "--generate", "4", "-o", str(tmp_path)]
+    proc = subprocess.run(cmd, env=_env(4), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "validation PASSED" in proc.stdout
+    (report,) = tmp_path.glob("*.json")
+    data = json.loads(report.read_text())
+    assert data["jax_devices"] == 4 and data["backends"]["jax"]["passed"]

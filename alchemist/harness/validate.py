@@ -52,12 +52,21 @@ class LoadedForValidation:
     ir: object
     module: object  # the generated module
     numerics: str = "exact"  # what its engines compute with (alchemist.runtime.numerics)
+    devices: int = 1  # JAX engines split over this many devices (alchemist.runtime.sharding)
     _weights: dict = field(default_factory=dict)  # quantized (bool) -> load_weights(path, quantized=...)
 
     def engine(self, backend: str, capacity: int, quantized: bool | None = None):
-        """An Engine of this module on `backend` computing with this file's numerics (weights as weights_for)."""
+        """An Engine of this module on `backend` computing with this file's numerics (weights as weights_for);
+        on JAX split over `devices` devices."""
         from alchemist.runtime.engine import Engine
 
+        if backend == "jax" and self.devices > 1:
+            from alchemist.runtime import sharding
+
+            lay = sharding.layout(self.ir, self.devices)
+            placement = sharding.Placement(lay, sharding.make_mesh(self.devices))
+            weights = sharding.load_sharded(self.module, self.path, lay, placement.mesh)
+            return Engine(self.module, weights, backend, capacity, numerics=self.numerics, placement=placement)
         return Engine(self.module, self.weights_for(backend, quantized), backend, capacity, numerics=self.numerics)
 
     def weights_for(self, backend: str, quantized: bool | None = None) -> dict:
@@ -360,12 +369,14 @@ def validate_model(
     numerics: str | None = None,
     oracle: str = "llama.cpp",
     gguf: str | None = None,
+    devices: int = 1,
 ) -> dict:
     """Validate `path` on each backend computing with `numerics` (default "ggml"; llamacpp_rounding=True is
     the older spelling of "ggml"); an "exact" backend that fails gets an attribution (attribute_to_rounding).
     `oracle`: "llama.cpp" (a GGUF file), or "mlx-lm" (a snapshot directory: logits and greedy steps, exact
     numerics, no named intermediates). `gguf`: with mlx-lm, the snapshot's GGUF conversion: the prompt's logits of
-    alchemist (the first backend), mlx-lm and llama.cpp compared pairwise (report["three_way"])."""
+    alchemist (the first backend), mlx-lm and llama.cpp compared pairwise (report["three_way"]). `devices`: the
+    jax backend's model split over that many devices (exact numerics)."""
     from alchemist.harness.mlx_oracle import MlxLmOracle
     from alchemist.harness.oracle import LlamaCppOracle
 
@@ -373,7 +384,10 @@ def validate_model(
         raise AlchemistError(f"unknown oracle {oracle!r} (llama.cpp or mlx-lm)")
     mlx = oracle == "mlx-lm"
     numerics = "exact" if mlx else resolve_numerics(numerics, llamacpp_rounding)  # mlx-lm rounds no activations
+    if devices > 1 and numerics != "exact":
+        raise AlchemistError(f"--devices {devices} validates with --numerics exact (got {numerics})")
     loaded = load_for_validation(path, numerics=numerics)
+    loaded.devices = devices
     prompt = prompt if prompt is not None else prompt_ids_for(path, None, loaded.ir.n_vocab)
     context = max(context, len(prompt) + n_generate + 1)
     report = {
@@ -392,6 +406,7 @@ def validate_model(
         ),
         "prompt_token_ids": prompt,
         "backends": {},
+        **({"jax_devices": devices} if devices > 1 else {}),
     }
     if progress:
         progress(report["arithmetic"]["note"])
