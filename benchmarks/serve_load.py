@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py MODEL [--servers alchemist,llama] [--clients 1,4,8,16] [--requests 2]
         [--prompt-tokens 128] [--gen-tokens 128] [--threads 2] [--context 1024] [--slots 8]
-        [--alchemist-url URL] [--llama-url URL] [--max-time 300] [--json OUT]
+        [--replicas N] [--alchemist-url URL] [--llama-url URL] [--max-time 300] [--json OUT]
     python benchmarks/serve_load.py MODEL --soak 600 [--servers alchemist]
 
 For each concurrency level, N clients each stream `--requests` chat completions (or, with `--endpoint completions`,
@@ -178,7 +178,7 @@ class Server:
         if self.kind == "alchemist":
             cmd = [sys.executable, "-m", "alchemist.cli", "serve", args.model, "--port", str(port), "--host",
                    "127.0.0.1", "--context", str(args.context), "--slots", str(args.slots), "--backend", args.backend,
-                   "--max-queue", "256"]  # fmt: skip
+                   "--max-queue", "256"] + (["--replicas", str(args.replicas)] if args.replicas > 1 else [])  # fmt: skip
         else:
             cmd = [sys.executable, "-m", "llama_cpp.server", "--model", args.model, "--n_ctx", str(args.context),
                    "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
@@ -374,6 +374,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024, help="llama.cpp n_ctx and alchemist's positions per slot")
     ap.add_argument("--slots", type=int, default=8, help="alchemist slots (default 8)")
     ap.add_argument("--backend", default="c", help="alchemist backend (default c)")
+    ap.add_argument("--replicas", type=int, default=1, help="alchemist replicas on Ray Serve (default 1: no Ray)")
     ap.add_argument("--alchemist-url", help="use this running alchemist server instead of starting one")
     ap.add_argument("--llama-url", help="use this running llama_cpp.server instead of starting one")
     ap.add_argument("--alchemist-pid", type=int, help="pid of the running alchemist server (RSS in --soak)")
@@ -404,7 +405,11 @@ def main(argv=None) -> int:
         ap.error(f"unknown server(s) {sorted(bad)}: use alchemist and/or llama")
     levels = [int(x) for x in args.clients.split(",")]
     prompts = make_prompts(args.model, max(32, max(levels) * args.requests, 8 * args.soak_clients), args.prompt_tokens)
-    label = {"alchemist": f"alchemist ({args.backend}, {args.slots} slots)", "llama": "llama-cpp-python server"}
+    replicas = f", {args.replicas} replicas on Ray Serve" if args.replicas > 1 else ""
+    label = {
+        "alchemist": f"alchemist ({args.backend}, {args.slots} slots{replicas})",
+        "llama": "llama-cpp-python server",
+    }
     results = {}
     for kind in kinds:
         given = getattr(args, f"{kind}_url")

@@ -56,6 +56,17 @@ def add_arguments(p) -> None:
         help="a Host name the server answers to besides its loopback names (repeatable; '*': any). Bound to "
         "a loopback address it answers only to localhost, 127.0.0.1 and ::1 (no DNS rebinding)",
     )
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'alchemist[ray]')")
+    g.add_argument("--replicas", type=int, help="serve N replicas of the model (one process each) behind Ray's proxy")
+    g.add_argument("--min-replicas", type=int, help="autoscale: at least this many replicas (with --max-replicas)")
+    g.add_argument("--max-replicas", type=int, help="autoscale: at most this many replicas")
+    g.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        help="autoscale toward this many requests in flight per replica (default: --slots)",
+    )
+    g.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica reserves (default 1)")
+    g.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     p.add_argument(
         "--full-window",
         action="store_true",
@@ -205,6 +216,8 @@ def build_server(
 
 
 def run_serve(args) -> int:
+    if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None:
+        return _run_replicas(args)
     handle = build_server(
         args.model, backend=args.backend, slots=args.slots, context=args.context, chunk=args.chunk, host=args.host,
         port=args.port, max_queue=args.max_queue, drain=args.drain, model_id=args.model_id,
@@ -213,3 +226,22 @@ def run_serve(args) -> int:
     )  # fmt: skip
     handle.run()
     return 0
+
+
+def _run_replicas(args) -> int:
+    from alchemist.serve import ray_serve
+
+    return ray_serve.run(_replica_options(args), args.port, ray_address=args.ray_address)
+
+
+def _replica_options(args):
+    from alchemist.serve.ray_serve import ReplicaOptions
+
+    return ReplicaOptions(
+        model=str(args.model), backend=args.backend, slots=args.slots, context=args.context, chunk=args.chunk,
+        max_queue=args.max_queue, full_window=args.full_window, numerics=getattr(args, "numerics", None),
+        model_id=args.model_id, drain=args.drain, api_key=args.api_key, open_health=args.open_health,
+        host=args.host, allowed_hosts=tuple(args.allowed_host or ()), replicas=args.replicas or 1,
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests, cpus_per_replica=args.cpus_per_replica,
+    )  # fmt: skip
