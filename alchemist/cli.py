@@ -231,7 +231,7 @@ def _cmd_run(args) -> int:
 
     numerics = _numerics(args)
     if args.devices > 1:
-        numerics = _devices_setup(args)
+        _devices_setup(args)
     model = load_llm(
         args.model,
         backend=args.backend,
@@ -281,13 +281,11 @@ def _cmd_run(args) -> int:
     return 0
 
 
-def _devices_setup(args) -> str:
-    """--devices N: the jax backend, exact numerics (the default there), and with --coordinator this process's
-    place in a multi-process run (before JAX starts)."""
+def _devices_setup(args) -> None:
+    """--devices N: the jax backend, and with --coordinator this process's place in a multi-process run (before
+    JAX starts)."""
     if args.backend != "jax":
         raise AlchemistError(f"--devices {args.devices} runs on --backend jax (got --backend {args.backend})")
-    if args.numerics not in (None, "exact"):
-        raise AlchemistError(f"--devices {args.devices} computes with --numerics exact (got {args.numerics})")
     if args.coordinator:
         from alchemist.runtime import sharding
 
@@ -295,7 +293,6 @@ def _devices_setup(args) -> str:
             raise AlchemistError(f"--devices {args.devices} does not divide over {args.num_processes} processes")
         local = args.devices // args.num_processes
         sharding.init_distributed(args.coordinator, args.num_processes, args.process_id, local)
-    return "exact"
 
 
 def _print_device_memory(model) -> None:
@@ -600,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices",
         type=int,
         default=1,
-        help="split the model over N JAX devices (tensor parallel; --backend jax, exact numerics; on CPU set "
+        help="split the model over N JAX devices (tensor parallel; --backend jax; on CPU set "
         "XLA_FLAGS=--xla_force_host_platform_device_count=N)",
     )
     p.add_argument("--coordinator", help="HOST:PORT of process 0, to run as one of several jax.distributed processes")
@@ -651,8 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("-o", "--output", default="validation", help="report directory (default: validation/)")
     _add_numerics(p, rounding_alias=True)
-    p.add_argument("--devices", type=int, default=1, help="the jax backend's model split over N devices (with "
-                   "--numerics exact; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")  # fmt: skip
+    p.add_argument("--devices", type=int, default=1, help="the jax backend's model split over N devices (on CPU "
+                   "set XLA_FLAGS=--xla_force_host_platform_device_count=N)")  # fmt: skip
     p.set_defaults(fn=_cmd_validate)
 
     p = sub.add_parser(

@@ -2,12 +2,12 @@
 device, for each device count, in one run.
 
     python benchmarks/sharded_decode.py MODEL [--devices 1,2,4] [--prompt-tokens 32] [--gen-tokens 16]
-        [--context 256] [--threads 2] [--json OUT]
+        [--context 256] [--threads 2] [--numerics ggml|exact] [--json OUT]
 
 Each device count runs in a process of its own (JAX fixes its device count when it starts), on CPU with
 XLA_FLAGS=--xla_force_host_platform_device_count=N: the devices are simulated and share this machine's cores, so
 tok/s shows the cost of the collectives, not a speed-up; the memory per device is what a real device would hold
-(weights and KV cache, read from each array's shards). Numerics: exact (the ggml kernels run on whole weights).
+(weights and KV cache, read from each array's shards).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def child(args) -> None:
     from alchemist.runtime.api import load_llm, peak_rss_mb
 
     t0 = time.perf_counter()
-    model = load_llm(args.model, backend="jax", numerics="exact", progress=False, context=args.context,
+    model = load_llm(args.model, backend="jax", numerics=args.numerics, progress=False, context=args.context,
                      devices=args.devices)  # fmt: skip
     load_s = time.perf_counter() - t0
     engine = model.engine
@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=16)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--numerics", default="ggml", choices=["ggml", "exact"])
     ap.add_argument("--json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
                    OMP_NUM_THREADS=str(args.threads))  # fmt: skip
         cmd = [sys.executable, __file__, model, "--child", "--devices", str(n), "--prompt-tokens",
-               str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens), "--context", str(args.context)]  # fmt: skip
+               str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens), "--context", str(args.context), "--numerics", args.numerics]  # fmt: skip
         print(f"[{n} device(s)] loading and compiling", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -84,7 +85,9 @@ def main(argv=None) -> int:
             return 1
         rows.append(json.loads(line[len("RESULT ") :]))
     base = rows[0]
-    print(f"\n{os.path.basename(model)}, JAX exact numerics, simulated CPU devices on {os.cpu_count()} cores\n")
+    print(
+        f"\n{os.path.basename(model)}, JAX, {args.numerics} numerics, simulated CPU devices on {os.cpu_count()} cores\n"
+    )
     print("| devices | decode tok/s | prefill tok/s | MiB per device (weights + cache) | vs 1 device | "
           "peak RSS MB | logits NMSE vs 1 device | same tokens |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -21,6 +21,8 @@ def main() -> int:
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--local-devices", type=int)
+    ap.add_argument("--numerics", default="exact")
+    ap.add_argument("--products", action="store_true", help="also compare each split product with the unsharded")
     ap.add_argument("--collectives", action="store_true", help="also list the decode step's collective ops")
     args = ap.parse_args()
 
@@ -33,7 +35,9 @@ def main() -> int:
     stats = sharding.ReadStats()
     original = sharding.load_sharded
     sharding.load_sharded = lambda *a, **k: original(*a, stats=stats, **k)  # count the bytes this process reads
-    model = load_llm(args.model, backend="jax", numerics="exact", progress=False, context=64, devices=args.devices)
+    model = load_llm(
+        args.model, backend="jax", numerics=args.numerics, progress=False, context=64, devices=args.devices
+    )
     engine = model.engine
     ids = [int(t) for t in args.prompt.split(",")]
     logits = [engine.run(ids, 0)]
@@ -50,8 +54,42 @@ def main() -> int:
     }
     if args.collectives:
         out["collectives"] = decode_collectives(engine)
+    if args.products:
+        out["products"] = split_products(engine)
     print("RESULT " + json.dumps(out))
     return 0
+
+
+def split_products(engine) -> dict:
+    """Each split quantized weight's product on 3 random rows, sharded (kernels.sharded) vs the one-device
+    kernel call on the same (gathered) weight: {name: [split, bit-identical, max |difference| / max |value|]}."""
+    import jax
+    import pytensor
+    import pytensor.tensor as pt
+
+    from alchemist.kernels.op import QuantizedMatmul
+    from alchemist.kernels.sharded import ShardedQuantizedMatmul
+
+    lay, out = engine.placement.layout, {}
+    rng = np.random.default_rng(1)
+    for name, sv in engine.weights.items():
+        w = sv.container.storage[0]
+        split = {("tp", None): "rows", (None, "tp"): "cols"}.get(lay.spec(name))
+        if split is None or str(w.dtype) != "uint8":
+            continue
+        ggml_type, shape = engine.module.TENSORS[name][:2]
+        base = QuantizedMatmul(ggml_type, shape[0], shape[1], numerics="ggml")
+        x = rng.standard_normal((3, shape[1])).astype(np.float32)
+        xv = pt.matrix("x", dtype="float32", shape=(3, shape[1]))
+        wv = pt.matrix("w", dtype="uint8", shape=w.shape)
+        with engine._on_mesh():
+            f = pytensor.function([xv, wv], [ShardedQuantizedMatmul(base, split, lay.n)(xv, wv)], mode=engine.mode)
+            sharded = np.asarray(f(x, w)[0])
+        whole = jax.device_put(np.asarray(w), jax.devices()[0])
+        g = pytensor.function([xv, wv], [base(xv, wv)], mode=engine.mode)
+        one = np.asarray(g(x, whole)[0])
+        out[name] = [split, bool(np.array_equal(sharded, one)), float(np.abs(sharded - one).max() / np.abs(one).max())]
+    return out
 
 
 def decode_collectives(engine) -> list[str]:
@@ -68,7 +106,8 @@ def decode_collectives(engine) -> list[str]:
     values.update((name, sv.container.storage[0]) for name, sv in engine.weights.items())
     values.update((sv.name, sv.container.storage[0]) for caches in engine.cache for sv in caches)
     args = [values[i.variable.name] for i in fn.maker.inputs]
-    hlo = jax.jit(jax_funcify(fn.maker.fgraph)).lower(*args).compile().as_text()
+    with engine._on_mesh():
+        hlo = jax.jit(jax_funcify(fn.maker.fgraph)).lower(*args).compile().as_text()
     ops = r"all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
     found = re.findall(rf"= ([a-z0-9]+\[[0-9,]*\])[^ ]* ({ops})(?:-start)?\(", hlo)
     return [f"{kind} {shape}" for shape, kind in found]

@@ -65,7 +65,8 @@ class LoadedForValidation:
 
             lay = sharding.layout(self.ir, self.devices)
             placement = sharding.Placement(lay, sharding.make_mesh(self.devices))
-            weights = sharding.load_sharded(self.module, self.path, lay, placement.mesh)
+            quantized = uses_quantized_kernels(backend, numerics=self.numerics) and quantized is not False
+            weights = sharding.load_sharded(self.module, self.path, lay, placement.mesh, quantized=quantized)
             return Engine(self.module, weights, backend, capacity, numerics=self.numerics, placement=placement)
         return Engine(self.module, self.weights_for(backend, quantized), backend, capacity, numerics=self.numerics)
 
@@ -376,7 +377,7 @@ def validate_model(
     `oracle`: "llama.cpp" (a GGUF file), or "mlx-lm" (a snapshot directory: logits and greedy steps, exact
     numerics, no named intermediates). `gguf`: with mlx-lm, the snapshot's GGUF conversion: the prompt's logits of
     alchemist (the first backend), mlx-lm and llama.cpp compared pairwise (report["three_way"]). `devices`: the
-    jax backend's model split over that many devices (exact numerics)."""
+    jax backend's model split over that many devices."""
     from alchemist.harness.mlx_oracle import MlxLmOracle
     from alchemist.harness.oracle import LlamaCppOracle
 
@@ -384,8 +385,6 @@ def validate_model(
         raise AlchemistError(f"unknown oracle {oracle!r} (llama.cpp or mlx-lm)")
     mlx = oracle == "mlx-lm"
     numerics = "exact" if mlx else resolve_numerics(numerics, llamacpp_rounding)  # mlx-lm rounds no activations
-    if devices > 1 and numerics != "exact":
-        raise AlchemistError(f"--devices {devices} validates with --numerics exact (got {numerics})")
     loaded = load_for_validation(path, numerics=numerics)
     loaded.devices = devices
     prompt = prompt if prompt is not None else prompt_ids_for(path, None, loaded.ir.n_vocab)

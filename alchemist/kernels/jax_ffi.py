@@ -118,7 +118,9 @@ def register() -> None:
     from alchemist.kernels.op import QuantizedMatmul
     from alchemist.kernels.rms_norm import RmsNormGgml
     from alchemist.kernels.rope import RopeCacheGgml, RopeGgml
+    from alchemist.kernels.sharded import ShardedAttention, ShardedQuantizedMatmul
     from alchemist.kernels.silu import SiluGgml
+    from alchemist.runtime.sharding import AXIS
     from alchemist.pytensor_ext.pytensor_internals import jax_funcify
 
     i32, i64, f32 = np.int32, np.int64, np.float32
@@ -182,6 +184,66 @@ def register() -> None:
             )  # fmt: skip
 
         return causal_attention_ggml
+
+    @jax_funcify.register(ShardedQuantizedMatmul)
+    def jax_funcify_ShardedQuantizedMatmul(op, node=None, **kwargs):
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        base, n, axis = op.base, op.n_shards, AXIS
+        if op.split == "rows":  # each device: the whole x times its rows; the output split by columns
+            attrs = {"type_index": i32(TYPE_INDEX[base.ggml_type]), "n_out": i64(base.n_out // n),
+                     "n_in": i64(base.n_in)}  # fmt: skip
+
+            def local(x, w):
+                return _call("matmul", (x.shape[0], base.n_out // n), x, w, **attrs)
+
+            specs = dict(in_specs=(P(), P(axis, None)), out_specs=P(None, axis))
+        else:  # each device: its columns of x times its blocks of every row; the partial products summed
+            attrs = {"type_index": i32(TYPE_INDEX[base.ggml_type]), "n_out": i64(base.n_out),
+                     "n_in": i64(base.n_in // n)}  # fmt: skip
+
+            def local(x, w):
+                return jax.lax.psum(_call("matmul", (x.shape[0], base.n_out), x, w, **attrs), axis)
+
+            specs = dict(in_specs=(P(None, axis), P(None, axis)), out_specs=P())
+        # the mesh is the one the step runs under (jax.set_mesh); custom calls have no varying-axes rule
+        sharded = jax.shard_map(local, check_vma=False, **specs)
+
+        def sharded_quantized_matmul(x, w):
+            base._check(x, w)
+            return sharded(x, w)
+
+        return sharded_quantized_matmul
+
+    @jax_funcify.register(ShardedAttention)
+    def jax_funcify_ShardedAttention(op, node=None, **kwargs):
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        base, n, axis = op.base, op.n_shards, AXIS
+        attrs = {
+            "n_head": i64(base.n_head // n), "n_kv_head": i64(base.n_kv_head // n), "head_dim": i64(base.head_dim),
+            "window": i64(base.window), "scale": f32(base.scale), "softcap": f32(base.softcap),
+        }  # fmt: skip
+
+        def local(q, keys, values, q_positions, key_positions, sinks):
+            shape = (q.shape[0], base.n_head // n * base.head_dim)
+            return _call("attention", shape, q, keys, values, q_positions, key_positions, sinks,
+                         has_sinks=i32(base.has_sinks), **attrs)  # fmt: skip
+
+        heads, kv_heads = P(None, axis, None), P(None, None, axis, None)
+        sharded = jax.shard_map(
+            local,
+            in_specs=(heads, kv_heads, kv_heads, P(), P(), P(axis) if base.has_sinks else P()),
+            out_specs=P(None, axis),
+            check_vma=False,
+        )
+
+        def sharded_attention(q, keys, values, q_positions, key_positions, sinks=None):
+            return sharded(q, keys, values, q_positions, key_positions, _empty() if sinks is None else sinks)
+
+        return sharded_attention
 
     @jax_funcify.register(SiluGgml)
     def jax_funcify_SiluGgml(op, node=None, **kwargs):

@@ -169,16 +169,11 @@ def _gc_paused(fn):
 
 
 @_gc_paused
-def check_devices(devices: int, backend: str, numerics: str) -> None:
+def check_devices(devices: int, backend: str) -> None:
     if not isinstance(devices, int) or devices < 1:
         raise AlchemistError(f"devices must be a whole number >= 1, got {devices!r}")
     if devices > 1 and backend != "jax":
         raise AlchemistError(f"devices={devices}: a model across devices runs on backend='jax', not {backend!r}")
-    if devices > 1 and numerics != "exact":
-        raise AlchemistError(
-            f"devices={devices} with numerics={numerics!r}: across devices the model computes with "
-            f"numerics='exact' (the ggml kernels run on whole weights, so every device would gather them)"
-        )
 
 
 def load_llm(
@@ -214,7 +209,7 @@ def load_llm(
     require_backend(backend)
     check_numerics(numerics)
     check_weights(weights, backend, numerics)
-    check_devices(devices, backend, numerics)
+    check_devices(devices, backend)
     t0 = time.perf_counter()
     path = resolve_model(path)  # a file, a snapshot directory, or a reference model's name ("gemma-3-270m")
     facts = read_model(path)

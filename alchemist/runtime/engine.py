@@ -8,6 +8,7 @@ bucket so that prompts of different lengths share a compiled function.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import sys
@@ -277,6 +278,10 @@ class Engine:
         )
         if not self.static:
             logits, new_cache = self._cache_writes_as_slices(logits, new_cache, start_pos, n_tokens)
+        if self.placement is not None:  # the ggml kernels on each device's part (kernels.sharded)
+            flat = [logits] + [value for caches in new_cache for value in caches]
+            logits, *flat = sharding.shard_kernels(flat, self.weights, self.placement.layout)
+            new_cache = regroup(flat, new_cache)
         updates = []
         for caches, new in zip(self.cache, new_cache):
             updates += list(zip(caches, new))
@@ -397,6 +402,8 @@ class Engine:
         }
         if taps:
             spec["taps"] = True
+        if self.placement is not None:  # the sharded kernels are in the graph
+            spec["sharding"] = self.placement.layout.digest
         source_sha256 = getattr(self.module, _SOURCE_SHA256)
         shared = self._shared_by_name() if shared is None else shared
         return graph_cache.step_key(source_sha256, self.backend, self.mode, shared, spec)
@@ -426,8 +433,17 @@ class Engine:
 
     def run(self, token_ids, start_pos: int, all_logits: bool = False) -> np.ndarray:
         """Feed tokens at positions start_pos..; returns logits of the last token (or of all tokens)."""
-        with self.lock:
+        with self.lock, self._on_mesh():
             return self._run(token_ids, start_pos, all_logits)
+
+    def _on_mesh(self):
+        """Across devices, steps run (and JAX traces them) under the placement's mesh: the sharded kernels'
+        shard_map takes it from there."""
+        if self.placement is None:
+            return contextlib.nullcontext()
+        import jax
+
+        return jax.set_mesh(self.placement.mesh)
 
     def _run(self, token_ids, start_pos: int, all_logits: bool) -> np.ndarray:
         token_ids = [int(t) for t in token_ids]

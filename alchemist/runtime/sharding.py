@@ -312,3 +312,27 @@ class Placement:
 
     def cache(self, cache_layer: int, kind: str):
         return named(self.mesh, self.layout.cache_spec(cache_layer, kind))
+
+
+def shard_kernels(outputs: list, weights: dict, lay: Layout) -> list:
+    """The step's outputs with every ggml kernel whose weight (or heads) the layout splits replaced by its sharded
+    Op (alchemist.kernels.sharded): a quantized product of a row- or column-split weight, and, where every
+    attention layer is split by heads, the attention kernel."""
+    from pytensor.graph.fg import FunctionGraph
+
+    from alchemist.kernels.attention import CausalAttentionGgml
+    from alchemist.kernels.op import QuantizedMatmul
+    from alchemist.kernels.sharded import ShardedAttention, ShardedQuantizedMatmul
+
+    split_of = {sv: {(AXIS, None): "rows", (None, AXIS): "cols"}.get(lay.spec(name)) for name, sv in weights.items()}
+    heads_split = bool(lay.cache_split) and all(lay.cache_split)
+    fgraph = FunctionGraph(outputs=outputs, clone=False)
+    for node in fgraph.toposort():
+        op, new = node.op, None
+        if isinstance(op, QuantizedMatmul) and op.numerics == "ggml" and split_of.get(node.inputs[1]):
+            new = ShardedQuantizedMatmul(op, split_of[node.inputs[1]], lay.n)(*node.inputs)
+        elif type(op) is CausalAttentionGgml and heads_split:
+            new = ShardedAttention(op, lay.n)(*node.inputs)
+        if new is not None:
+            fgraph.replace(node.outputs[0], new, reason="shard_kernels", import_missing=True)
+    return list(fgraph.outputs)
