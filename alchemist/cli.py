@@ -239,6 +239,7 @@ def _cmd_run(args) -> int:
         compile_now=False,
         numerics=numerics,
         devices=args.devices,
+        split=args.split,
     )
     if args.devices > 1:
         _print_device_memory(model)
@@ -599,6 +600,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="split the model over N JAX devices (tensor parallel; --backend jax; on CPU set "
         "XLA_FLAGS=--xla_force_host_platform_device_count=N)",
+    )
+    p.add_argument(
+        "--split",
+        choices=["rows", "megatron"],
+        help="with --devices: the output and down projections by output rows (default with ggml numerics: the "
+        "logits stay one device's bit for bit) or by input columns, one all-reduce each (default with exact)",
     )
     p.add_argument("--coordinator", help="HOST:PORT of process 0, to run as one of several jax.distributed processes")
     p.add_argument("--num-processes", type=int, default=1, help="with --coordinator: how many processes")

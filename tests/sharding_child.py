@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -22,6 +23,7 @@ def main() -> int:
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--local-devices", type=int)
     ap.add_argument("--numerics", default="exact")
+    ap.add_argument("--split", choices=["rows", "megatron"])
     ap.add_argument("--products", action="store_true", help="also compare each split product with the unsharded")
     ap.add_argument("--collectives", action="store_true", help="also list the decode step's collective ops")
     args = ap.parse_args()
@@ -36,7 +38,13 @@ def main() -> int:
     original = sharding.load_sharded
     sharding.load_sharded = lambda *a, **k: original(*a, stats=stats, **k)  # count the bytes this process reads
     model = load_llm(
-        args.model, backend="jax", numerics=args.numerics, progress=False, context=64, devices=args.devices
+        args.model,
+        backend="jax",
+        numerics=args.numerics,
+        progress=False,
+        context=64,
+        devices=args.devices,
+        split=args.split,
     )
     engine = model.engine
     ids = [int(t) for t in args.prompt.split(",")]
@@ -79,8 +87,9 @@ def split_products(engine) -> dict:
             continue
         ggml_type, shape = engine.module.TENSORS[name][:2]
         base = QuantizedMatmul(ggml_type, shape[0], shape[1], numerics="ggml")
-        x = rng.standard_normal((3, shape[1])).astype(np.float32)
-        xv = pt.matrix("x", dtype="float32", shape=(3, shape[1]))
+        rows = int(os.environ.get("PRODUCT_ROWS", 3))
+        x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+        xv = pt.matrix("x", dtype="float32", shape=(rows, shape[1]))
         wv = pt.matrix("w", dtype="uint8", shape=w.shape)
         with engine._on_mesh():
             f = pytensor.function([xv, wv], [ShardedQuantizedMatmul(base, split, lay.n)(xv, wv)], mode=engine.mode)

@@ -41,6 +41,10 @@ def _ir(path):
 def test_layout_splits_a_llama_block_as_megatron(llama_tp):
     ir = _ir(llama_tp)
     lay = sharding.layout(ir, 4)
+    rows = sharding.layout(ir, 4, "rows")  # every projection by output rows
+    assert rows.spec("blk.0.attn_output.weight") == rows.spec("blk.0.ffn_down.weight") == ("tp", None)
+    assert sharding.default_policy("ggml") == "rows" and sharding.default_policy("exact") == "megatron"
+    assert rows.digest != lay.digest
     for il in range(2):
         for name in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"):
             assert lay.spec(f"blk.{il}.{name}.weight") == ("tp", None), name
@@ -144,20 +148,23 @@ def test_quantized_parts_are_read_as_whole_blocks(llama_tp_q4_k):
         assert _nmse(a, b) <= 1e-10, step
 
 
-def test_ggml_kernels_on_four_devices(llama_tp_q4_k):
+@pytest.mark.parametrize("split", ["rows", "megatron"])
+def test_ggml_kernels_on_four_devices(llama_tp_q4_k, split):
     """numerics="ggml": each device runs the C kernels on its part (kernels.sharded, under shard_map). A
-    row-split product is the unsharded kernel's rows bit for bit; a column-split one sums the same per-block
-    products across devices in another order (float32 rounding); the logits agree with one device's to that
-    rounding, with the same tokens; no weight is gathered; a device holds a quarter of the weights."""
+    row-split product is the unsharded kernel's rows bit for bit, so with split="rows" (ggml's default) the
+    logits are one device's bit for bit. split="megatron" splits the output and down projections by columns:
+    the same per-block products summed across devices in another order (float32 rounding), which the next
+    layer's activation rounding may carry on; the logits agree to that, with the same tokens. Either way no
+    weight is gathered and a device holds a quarter of the weights."""
     one = _child(llama_tp_q4_k, 1, extra=["--numerics", "ggml"])
-    four = _child(llama_tp_q4_k, 4, extra=["--numerics", "ggml", "--products", "--collectives"])
+    four = _child(llama_tp_q4_k, 4, extra=["--numerics", "ggml", "--split", split, "--products", "--collectives"])
     assert four["tokens"] == one["tokens"]
+    splits = four["products"]
+    assert {s for s, _, _ in splits.values()} == ({"rows"} if split == "rows" else {"rows", "cols"})
+    for name, (how, same, rel) in splits.items():
+        assert same if how == "rows" else rel < 1e-5, (name, how, same, rel)
     for step, (a, b) in enumerate(zip(four["logits"], one["logits"])):
-        assert _nmse(a, b) <= 1e-10, step
-    splits = {name: (split, same, rel) for name, (split, same, rel) in four["products"].items()}
-    assert {s for s, _, _ in splits.values()} == {"rows", "cols"}
-    for name, (split, same, rel) in splits.items():
-        assert same if split == "rows" else rel < 1e-5, (name, split, same, rel)
+        assert (a == b) if split == "rows" else _nmse(a, b) <= 1e-10, step
     # the collectives move activation rows (and the embedding row's bytes), never a weight's part (>= 64 KiB)
     sizes = [int(np.prod([int(d) for d in c.split("[")[1].rstrip("]").split(",") if d])) for c in four["collectives"]]
     assert max(sizes) <= 1024, four["collectives"]
@@ -227,7 +234,7 @@ def test_run_cli_splits_over_devices_and_prints_per_device_memory(llama_tp):
     cmd += ["--tokens", "1,5,9", "--max-tokens", "3", "--context", "64"]
     proc = subprocess.run(cmd, env=_env(4), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tensor parallel over 4 devices: 15 of 20 tensors split" in proc.stderr
+    assert "tensor parallel over 4 devices (rows): 15 of 20 tensors split" in proc.stderr  # ggml numerics
     line = next(x for x in proc.stderr.splitlines() if x.startswith("per device"))
     assert [x.split()[0] for x in line.split(": ", 1)[1].split(", ")] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
     bad = [x if x != "jax" else "c" for x in cmd]

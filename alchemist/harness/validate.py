@@ -63,7 +63,7 @@ class LoadedForValidation:
         if backend == "jax" and self.devices > 1:
             from alchemist.runtime import sharding
 
-            lay = sharding.layout(self.ir, self.devices)
+            lay = sharding.layout(self.ir, self.devices, sharding.default_policy(self.numerics))
             placement = sharding.Placement(lay, sharding.make_mesh(self.devices))
             quantized = uses_quantized_kernels(backend, numerics=self.numerics) and quantized is not False
             weights = sharding.load_sharded(self.module, self.path, lay, placement.mesh, quantized=quantized)

@@ -186,6 +186,7 @@ def load_llm(
     weights: str | None = None,
     numerics: str = DEFAULT_NUMERICS,
     devices: int = 1,
+    split: str | None = None,
 ) -> LoadedModel:
     """Generate (or reuse) the PyTensor module for a GGUF file (or a reference model's name), load its weights
     and compile decoding.
@@ -200,7 +201,9 @@ def load_llm(
     model's `module` stays the generated module (what alchemist.symbolic differentiates), `engine.module` is
     the one the engine computes with.
     devices: on JAX, the model split over this many devices (tensor parallel: alchemist.runtime.sharding), each
-    holding its part of the weights and KV cache; with several processes, call sharding.init_distributed first."""
+    holding its part of the weights and KV cache; with several processes, call sharding.init_distributed first.
+    split: how the projections back to the embedding divide, "rows" or "megatron" (sharding.layout); None: by
+    numerics (sharding.default_policy: "rows" for ggml, whose logits then stay one device's bit for bit)."""
     from alchemist.audit import require_passing_audit
     from alchemist.runtime.engine import Engine, import_generated
 
@@ -225,7 +228,7 @@ def load_llm(
     if devices > 1:
         from alchemist.runtime import sharding
 
-        lay = sharding.layout(ir, devices)
+        lay = sharding.layout(ir, devices, split or sharding.default_policy(numerics))
         placement = sharding.Placement(lay, sharding.make_mesh(devices))
         if not getattr(facts, "source_files", ()):  # a GGUF file: each device's part read on its own
             load = functools.partial(sharding.load_sharded, module, lay=lay, mesh=placement.mesh)

@@ -39,6 +39,7 @@ class Layout:
     specs: dict = field(default_factory=dict)
     cache_split: tuple[bool, ...] = ()
     reasons: tuple[str, ...] = ()
+    policy: str = "megatron"
 
     def spec(self, name: str) -> tuple:
         return self.specs.get(name, ())
@@ -49,7 +50,7 @@ class Layout:
 
     @property
     def digest(self) -> str:
-        text = json.dumps([self.n, sorted(self.specs.items()), self.cache_split], default=list)
+        text = json.dumps([self.n, sorted(self.specs.items()), self.cache_split, self.policy], default=list)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self, ir: ModelIR) -> str:
@@ -58,7 +59,7 @@ class Layout:
         split = sum(sizes[name] for name in self.specs)
         total = sum(sizes.values())
         lines = [
-            f"tensor parallel over {self.n} devices: {len(self.specs)} of {len(sizes)} tensors split "
+            f"tensor parallel over {self.n} devices ({self.policy}): {len(self.specs)} of {len(sizes)} tensors split "
             f"({split / 2**20:.1f} of {total / 2**20:.1f} MiB), KV caches split in "
             f"{sum(self.cache_split)} of {len(self.cache_split)} layers"
         ]
@@ -73,10 +74,26 @@ def _block(ggml_type: str) -> int:
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][0]
 
 
-def layout(ir: ModelIR, n: int) -> Layout:
-    """The tensor-parallel layout of `ir` over n devices (n = 1: everything replicated)."""
+POLICIES = ("megatron", "rows")
+
+
+def default_policy(numerics: str) -> str:
+    """ "rows" for ggml numerics: every product is then the one-device kernel's rows, so the logits are one
+    device's bit for bit (and llama.cpp's); "megatron" for exact numerics: one all-reduce per block, the sums
+    in another order (float32 rounding, which exact numerics carry without amplifying it)."""
+    return "rows" if numerics == "ggml" else "megatron"
+
+
+def layout(ir: ModelIR, n: int, policy: str = "megatron") -> Layout:
+    """The tensor-parallel layout of `ir` over n devices (n = 1: everything replicated).
+
+    policy "megatron": the attention output and MLP down projections split by input columns (their inputs are
+    already split; one all-reduce of a partial sum each). "rows": those split by output rows too (XLA gathers
+    their input row first and the output row after): no partial sums, every product's rows as one device's."""
     if n < 1:
         raise AlchemistError(f"devices must be at least 1, got {n}")
+    if policy not in POLICIES:
+        raise AlchemistError(f"unknown split policy {policy!r}: choose one of {', '.join(POLICIES)}")
     tensors = {t.name: t for t in ir.tensors}
     specs: dict[str, tuple] = {}
     reasons: list[str] = []
@@ -97,8 +114,10 @@ def layout(ir: ModelIR, n: int) -> Layout:
     def back_to_embedding(name: str, where: str) -> None:
         """The projection back to the embedding: by columns (its input is split), else by rows (XLA gathers the
         small activation first), else replicated."""
-        if cols_ok(name):
+        if policy == "megatron" and cols_ok(name):
             specs[name] = (None, AXIS)
+        elif policy == "rows" and rows_ok(name):
+            by_rows(name)
         elif rows_ok(name):
             by_rows(name)
             reasons.append(f"{where}: {name} split by rows, not columns (parts are not whole blocks)")
@@ -138,7 +157,7 @@ def layout(ir: ModelIR, n: int) -> Layout:
             reasons.append(f"{name}: {ir.n_vocab} vocabulary rows do not divide by {n}")
     owners = {lay.index: lay.attention for lay in ir.layers}
     cache_split = tuple(owners[i] is not None and f"blk.{i}.{owners[i].q}" in specs for i in ir.kv_cache_layers)
-    return Layout(n=n, specs=specs, cache_split=cache_split, reasons=tuple(reasons))
+    return Layout(n=n, specs=specs, cache_split=cache_split, reasons=tuple(reasons), policy=policy)
 
 
 def _attention_unsplittable(att, index: int, n: int) -> str | None:
