@@ -44,7 +44,7 @@ class ShardedQuantizedMatmul(Op):
         node = self.base.make_node(x, w)
         return Apply(self, node.inputs, [out.type() for out in node.outputs])
 
-    def infer_shape(self, fgraph, node, shapes):
+    def infer_shape(self, node, shapes):
         return [(shapes[0][0], self.base.n_out)]
 
     def perform(self, node, inputs, output_storage):

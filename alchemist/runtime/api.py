@@ -168,7 +168,6 @@ def _gc_paused(fn):
     return paused
 
 
-@_gc_paused
 def check_devices(devices: int, backend: str) -> None:
     if not isinstance(devices, int) or devices < 1:
         raise AlchemistError(f"devices must be a whole number >= 1, got {devices!r}")
@@ -176,6 +175,7 @@ def check_devices(devices: int, backend: str) -> None:
         raise AlchemistError(f"devices={devices}: a model across devices runs on backend='jax', not {backend!r}")
 
 
+@_gc_paused
 def load_llm(
     path: str | os.PathLike,
     backend: str = "c",

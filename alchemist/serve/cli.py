@@ -117,36 +117,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _build_scheduler(model_path, backend, slots, context, chunk, max_queue, full_window, log, numerics=None):
-    from alchemist import load_llm
-
-    try:
-        from alchemist.runtime.slot_engine import SlotEngine
-        from alchemist.serve.scheduler import Scheduler
-    except ImportError as e:
-        raise AlchemistError(f"alchemist serve needs the slot engine and the scheduler: {e}") from None
-
-    from alchemist.runtime.numerics import resolve_numerics
-
-    lm = load_llm(model_path, backend=backend, context=context, compile_now=False, numerics=resolve_numerics(numerics))
-    slot_engine = SlotEngine(lm.engine, n_slots=slots, chunk=chunk, full_window=full_window)
-    scheduler = Scheduler(slot_engine, lm.tokenizer, max_queue=max_queue)
-    from tqdm.auto import tqdm
-
-    with tqdm(desc="warming up", unit="shape", file=sys.stderr, leave=False) as bar:
-
-        def progress(msg: str) -> None:
-            bar.set_postfix_str(str(msg)[:60])
-            bar.update(1)
-
-        scheduler.start(warm_up=True, progress=progress)  # /health answers 503 until it is ready
-        scheduler.wait_ready()
-    stats = slot_engine.stats
-    log(f"alchemist serve: {slots} slots x {slot_engine.capacity} positions, {len(stats.compiled_shapes)} step shapes "
-        f"ready ({stats.compile_count} compiled in {stats.compile_seconds:.1f} s)")  # fmt: skip
-    return scheduler, lm.tokenizer
-
-
 def build_server(
     model_path,
     *,
@@ -188,7 +158,9 @@ def build_server(
     sock = _bind(host, port)
     try:
         if scheduler is None:
-            scheduler, tokenizer = _build_scheduler(
+            from alchemist.serve.startup import build_scheduler
+
+            scheduler, tokenizer = build_scheduler(
                 model_path, backend, slots, context, chunk, max_queue, full_window, log, numerics
             )
     except BaseException:

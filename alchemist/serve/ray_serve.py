@@ -117,14 +117,14 @@ def _app_builder(opts: ReplicaOptions, scheduler_factory=None):
         from ray import serve
 
         from alchemist.serve.app import create_app
-        from alchemist.serve.cli import _build_scheduler
+        from alchemist.serve.startup import build_scheduler
         from alchemist.serve.guard import allowed_hosts_for
 
         if scheduler_factory is not None:
             scheduler, tokenizer = scheduler_factory()
         else:
             log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - Ray forwards replicas' stderr
-            scheduler, tokenizer = _build_scheduler(
+            scheduler, tokenizer = build_scheduler(
                 opts.model, opts.backend, opts.slots, opts.context, opts.chunk, opts.max_queue, opts.full_window,
                 log, opts.numerics,
             )  # fmt: skip
