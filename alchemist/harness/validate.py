@@ -53,7 +53,8 @@ class LoadedForValidation:
     module: object  # the generated module
     numerics: str = "exact"  # what its engines compute with (alchemist.runtime.numerics)
     devices: int = 1  # JAX engines split over this many devices (alchemist.runtime.sharding)
-    _weights: dict = field(default_factory=dict)  # quantized (bool) -> load_weights(path, quantized=...)
+    # quantized (bool) -> load_weights(path, quantized=...); ("split", quantized) -> (Placement, sharded weights)
+    _weights: dict = field(default_factory=dict)
 
     def engine(self, backend: str, capacity: int, quantized: bool | None = None):
         """An Engine of this module on `backend` computing with this file's numerics (weights as weights_for);
@@ -61,25 +62,33 @@ class LoadedForValidation:
         from alchemist.runtime.engine import Engine
 
         if backend == "jax" and self.devices > 1:
-            from alchemist.runtime import sharding
-
-            lay = sharding.layout(self.ir, self.devices, sharding.default_policy(self.numerics))
-            placement = sharding.Placement(lay, sharding.make_mesh(self.devices))
-            quantized = uses_quantized_kernels(backend, numerics=self.numerics) and quantized is not False
-            weights = sharding.load_sharded(self.module, self.path, lay, placement.mesh, quantized=quantized)
+            placement, weights = self._split_weights(self._quantized(backend, quantized))
             return Engine(self.module, weights, backend, capacity, numerics=self.numerics, placement=placement)
         return Engine(self.module, self.weights_for(backend, quantized), backend, capacity, numerics=self.numerics)
 
-    def weights_for(self, backend: str, quantized: bool | None = None) -> dict:
-        """The weights as `backend` runs them with this module's numerics: GGUF blocks where kernels multiply them
-        (C, Numba; JAX and MLX with numerics="ggml"), else float32 (quantized=False forces float32 weights)."""
+    def _quantized(self, backend: str, quantized: bool | None) -> bool:
+        """GGUF blocks where kernels multiply them (C, Numba; JAX and MLX with numerics="ggml"), unless
+        quantized=False asks for float32."""
         packed = mlx_packed(self.ir)
-        quantized = (
-            uses_quantized_kernels(backend, numerics=self.numerics, mlx_packed=packed) and quantized is not False
-        )
+        return uses_quantized_kernels(backend, numerics=self.numerics, mlx_packed=packed) and quantized is not False
+
+    def weights_for(self, backend: str, quantized: bool | None = None) -> dict:
+        """The weights as `backend` runs them with this module's numerics (_quantized says in which form)."""
+        quantized = self._quantized(backend, quantized)
         if quantized not in self._weights:
             self._weights[quantized] = self.module.load_weights(self.path, quantized=quantized)
         return self._weights[quantized]
+
+    def _split_weights(self, quantized: bool) -> tuple:
+        """(Placement over `devices` JAX devices, the weights cut as it says), read once."""
+        from alchemist.runtime import sharding
+
+        key = ("split", quantized)
+        if key not in self._weights:
+            placement = sharding.Placement.of(self.ir, self.devices, sharding.default_policy(self.numerics))
+            weights = sharding.load_sharded(self.module, self.path, placement.layout, placement.mesh, quantized)
+            self._weights[key] = placement, weights
+        return self._weights[key]
 
 
 def load_for_validation(

@@ -103,6 +103,31 @@ def _empty():
     return jnp.zeros((0,), dtype=jnp.float32)
 
 
+def _matmul(ggml_type: str, n_out: int, n_in: int):
+    """x (T, n_in) times the (n_out, bytes per row) blocks of w, by the C kernel."""
+    from alchemist.kernels.native import TYPE_INDEX
+
+    attrs = {"type_index": np.int32(TYPE_INDEX[ggml_type]), "n_out": np.int64(n_out), "n_in": np.int64(n_in)}
+    return lambda x, w: _call("matmul", (*x.shape[:-1], n_out), x, w, **attrs)
+
+
+def _attention(op, n_shards: int = 1):
+    """The C attention kernel for op's heads, or for one device's 1/n_shards of its heads and KV heads; sinks
+    is an array (empty without sinks)."""
+    n_head, n_kv_head = op.n_head // n_shards, op.n_kv_head // n_shards
+    attrs = {
+        "n_head": np.int64(n_head), "n_kv_head": np.int64(n_kv_head), "head_dim": np.int64(op.head_dim),
+        "window": np.int64(op.window), "scale": np.float32(op.scale), "softcap": np.float32(op.softcap),
+        "has_sinks": np.int32(op.has_sinks),
+    }  # fmt: skip
+
+    def attention(q, keys, values, q_positions, key_positions, sinks):
+        shape = (q.shape[0], n_head * op.head_dim)
+        return _call("attention", shape, q, keys, values, q_positions, key_positions, sinks, **attrs)
+
+    return attention
+
+
 _done: list = []
 
 
@@ -114,7 +139,6 @@ def register() -> None:
         return
     from alchemist.kernels.attention import CausalAttentionGgml
     from alchemist.kernels.gelu import GeluTable
-    from alchemist.kernels.native import TYPE_INDEX
     from alchemist.kernels.op import QuantizedMatmul
     from alchemist.kernels.rms_norm import RmsNormGgml
     from alchemist.kernels.rope import RopeCacheGgml, RopeGgml
@@ -123,17 +147,17 @@ def register() -> None:
     from alchemist.runtime.sharding import AXIS
     from alchemist.pytensor_ext.pytensor_internals import jax_funcify
 
-    i32, i64, f32 = np.int32, np.int64, np.float32
+    i32, f32 = np.int32, np.float32
 
     @jax_funcify.register(QuantizedMatmul)
     def jax_funcify_QuantizedMatmul(op, node=None, **kwargs):
         if op.numerics != "ggml":
             raise NotImplementedError("QuantizedMatmul(numerics='exact') is expanded into XLA ops before JAX")
-        attrs = {"type_index": i32(TYPE_INDEX[op.ggml_type]), "n_out": i64(op.n_out), "n_in": i64(op.n_in)}
+        matmul = _matmul(op.ggml_type, op.n_out, op.n_in)
 
         def quantized_matmul(x, w):
             op._check(x, w)  # static shapes: checked once, while tracing
-            return _call("matmul", (*x.shape[:-1], op.n_out), x, w, **attrs)
+            return matmul(x, w)
 
         return quantized_matmul
 
@@ -170,18 +194,10 @@ def register() -> None:
 
     @jax_funcify.register(CausalAttentionGgml)
     def jax_funcify_CausalAttentionGgml(op, node=None, **kwargs):
-        attrs = {
-            "n_head": i64(op.n_head), "n_kv_head": i64(op.n_kv_head), "head_dim": i64(op.head_dim),
-            "window": i64(op.window), "scale": f32(op.scale), "softcap": f32(op.softcap),
-        }  # fmt: skip
+        attention = _attention(op)
 
         def causal_attention_ggml(q, keys, values, q_positions, key_positions, sinks=None):
-            shape = (q.shape[0], op.n_head * op.head_dim)
-            s = _empty() if sinks is None else sinks
-            return _call(
-                "attention", shape, q, keys, values, q_positions, key_positions, s,
-                has_sinks=i32(sinks is not None), **attrs,
-            )  # fmt: skip
+            return attention(q, keys, values, q_positions, key_positions, _empty() if sinks is None else sinks)
 
         return causal_attention_ggml
 
@@ -192,19 +208,13 @@ def register() -> None:
 
         base, n, axis = op.base, op.n_shards, AXIS
         if op.split == "rows":  # each device: the whole x times its rows; the output split by columns
-            attrs = {"type_index": i32(TYPE_INDEX[base.ggml_type]), "n_out": i64(base.n_out // n),
-                     "n_in": i64(base.n_in)}  # fmt: skip
-
-            def local(x, w):
-                return _call("matmul", (x.shape[0], base.n_out // n), x, w, **attrs)
-
+            local = _matmul(base.ggml_type, base.n_out // n, base.n_in)
             specs = dict(in_specs=(P(), P(axis, None)), out_specs=P(None, axis))
         else:  # each device: its columns of x times its blocks of every row; the partial products summed
-            attrs = {"type_index": i32(TYPE_INDEX[base.ggml_type]), "n_out": i64(base.n_out),
-                     "n_in": i64(base.n_in // n)}  # fmt: skip
+            part = _matmul(base.ggml_type, base.n_out, base.n_in // n)
 
             def local(x, w):
-                return jax.lax.psum(_call("matmul", (x.shape[0], base.n_out), x, w, **attrs), axis)
+                return jax.lax.psum(part(x, w), axis)
 
             specs = dict(in_specs=(P(None, axis), P(None, axis)), out_specs=P())
         # the mesh is the one the step runs under (jax.set_mesh); custom calls have no varying-axes rule
@@ -222,19 +232,9 @@ def register() -> None:
         from jax.sharding import PartitionSpec as P
 
         base, n, axis = op.base, op.n_shards, AXIS
-        attrs = {
-            "n_head": i64(base.n_head // n), "n_kv_head": i64(base.n_kv_head // n), "head_dim": i64(base.head_dim),
-            "window": i64(base.window), "scale": f32(base.scale), "softcap": f32(base.softcap),
-        }  # fmt: skip
-
-        def local(q, keys, values, q_positions, key_positions, sinks):
-            shape = (q.shape[0], base.n_head // n * base.head_dim)
-            return _call("attention", shape, q, keys, values, q_positions, key_positions, sinks,
-                         has_sinks=i32(base.has_sinks), **attrs)  # fmt: skip
-
         heads, kv_heads = P(None, axis, None), P(None, None, axis, None)
         sharded = jax.shard_map(
-            local,
+            _attention(base, n),  # each device: its heads and KV heads
             in_specs=(heads, kv_heads, kv_heads, P(), P(), P(axis) if base.has_sinks else P()),
             out_specs=P(None, axis),
             check_vma=False,

@@ -228,10 +228,9 @@ def load_llm(
     if devices > 1:
         from alchemist.runtime import sharding
 
-        lay = sharding.layout(ir, devices, split or sharding.default_policy(numerics))
-        placement = sharding.Placement(lay, sharding.make_mesh(devices))
+        placement = sharding.Placement.of(ir, devices, split or sharding.default_policy(numerics))
         if not getattr(facts, "source_files", ()):  # a GGUF file: each device's part read on its own
-            load = functools.partial(sharding.load_sharded, module, lay=lay, mesh=placement.mesh)
+            load = functools.partial(sharding.load_sharded, module, lay=placement.layout, mesh=placement.mesh)
     if progress:
         from tqdm.auto import tqdm  # imported only to show the bar (tqdm.auto takes ~0.1 s to import)
 

@@ -1,17 +1,20 @@
 """A model across JAX devices: tensor parallelism decided from the IR, and the sharded weights and caches.
 
-`layout(ir, n)` is data, computed from the IR's components (never per family), as Megatron splits a block:
-attention by heads (q, k, v and their biases by output rows, the output projection by input columns) with the
-KV cache by KV heads; a gated or plain MLP by hidden units (gate and up by rows, down by columns); the token
-embedding and the output projection by vocabulary rows. A split needs even parts (and, for a column split of a
-block-quantized tensor, whole blocks per part); what cannot be split is replicated, and `Layout.reasons` says why.
+`layout(ir, n, policy)` is data, computed from the IR's components (never per family), as Megatron splits a
+block: attention by heads (q, k, v and their biases by output rows) with the KV cache by KV heads; a gated or
+plain MLP by hidden units (gate and up by rows); the token embedding and the output projection by vocabulary
+rows; the attention output and MLP down by input columns ("megatron") or by output rows ("rows"). A split needs
+even parts (and, for a column split of a block-quantized tensor, whole blocks per part); what cannot be split is
+replicated, and `Layout.reasons` says why.
 
 The placement is JAX's: the step function is the same PyTensor graph, its shared variables hold sharded
-`jax.Array`s, and `jax.jit` follows them (XLA's SPMD partitioner inserts one all-reduce after each column-split
-product). So the arithmetic is the unsharded graph's; only the order of the sums a column split makes partial
-changes (float32 rounding, NMSE ~1e-14). `load_sharded` reads each device's part of a tensor from the GGUF
-file's memory map, so a process touches only the bytes of the shards it holds (with several processes,
-`init_distributed` first). The layout is pure Python; JAX is imported only by the functions that place arrays.
+`jax.Array`s, and `jax.jit` follows them (XLA's SPMD partitioner inserts the collectives); the ggml kernels,
+which it cannot partition, become their sharded forms (`shard_kernels`). A row split computes every row as one
+device does; a column split sums its partial products in another order (float32 rounding), which ggml's
+activation rounding can carry on, hence `default_policy`. `load_sharded` reads each device's part of a tensor
+from the GGUF file's memory map, so a process touches only the bytes of the shards it holds (with several
+processes, `init_distributed` first). The layout is pure Python; JAX is imported only by the functions that
+place arrays.
 """
 
 from __future__ import annotations
@@ -234,10 +237,9 @@ def place(value: np.ndarray, sharding):
 
 @dataclass
 class ReadStats:
-    """What load_sharded read from the file: bytes per tensor, summed over this process's distinct parts."""
+    """What load_sharded read from the file: the bytes of this process's distinct parts."""
 
     bytes_read: int = 0
-    parts: list = field(default_factory=list)  # (name, index) of every part read
 
 
 def load_sharded(module, path, lay: Layout, mesh, quantized: bool = False, progress=None, stats=None) -> dict:
@@ -261,14 +263,14 @@ def load_sharded(module, path, lay: Layout, mesh, quantized: bool = False, progr
             global_shape, dtype = (shape[0], nbytes // shape[0]), np.uint8
         else:
             global_shape, dtype = tuple(shape), np.float32
-        read = _part_reader(module, name, raw, ggml_type, tuple(shape), blocks, stats)
+        read = _part_reader(module, raw, ggml_type, tuple(shape), blocks, stats)
         out[name] = jax.make_array_from_callback(global_shape, named(mesh, spec), read, dtype=dtype)
         if progress is not None:
             progress(name, nbytes)
     return out
 
 
-def _part_reader(module, name, raw, ggml_type, shape, blocks, stats):
+def _part_reader(module, raw, ggml_type, shape, blocks, stats):
     """The callback giving one device's part (an index: a slice per dimension) of a tensor: only its rows'
     bytes, and of a column split only its blocks' bytes of each row. Parts asked twice (replicas) are read once."""
     qk = _block(ggml_type)
@@ -290,7 +292,6 @@ def _part_reader(module, name, raw, ggml_type, shape, blocks, stats):
                 part = part[:, c0:c1]
             part = np.ascontiguousarray(part)
             stats.bytes_read += part.nbytes
-            stats.parts.append((name, key))
             memo[key] = part if blocks else module.dequantize_tensor(part.reshape(-1), ggml_type, part_shape)
         return memo[key]
 
@@ -325,6 +326,11 @@ class Placement:
 
     layout: Layout
     mesh: object
+
+    @classmethod
+    def of(cls, ir: ModelIR, n: int, policy: str) -> "Placement":
+        """The layout of `ir` over the first n devices."""
+        return cls(layout(ir, n, policy), make_mesh(n))
 
     def weight(self, name: str):
         return named(self.mesh, self.layout.spec(name))

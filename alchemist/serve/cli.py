@@ -13,18 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from alchemist.errors import AlchemistError
-
-DEFAULTS = dict(
-    backend="c",
-    slots=8,
-    context=4096,
-    chunk=32,
-    host="127.0.0.1",
-    port=8080,
-    max_queue=64,
-    drain=10.0,
-    full_window=False,
-)
+from alchemist.serve.startup import DEFAULTS, build_scheduler
 
 
 def add_arguments(p) -> None:
@@ -158,8 +147,6 @@ def build_server(
     sock = _bind(host, port)
     try:
         if scheduler is None:
-            from alchemist.serve.startup import build_scheduler
-
             scheduler, tokenizer = build_scheduler(
                 model_path, backend, slots, context, chunk, max_queue, full_window, log, numerics
             )

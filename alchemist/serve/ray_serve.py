@@ -19,9 +19,11 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 from alchemist.errors import AlchemistError
+from alchemist.serve.startup import DEFAULTS, build_scheduler
 
 APP_NAME = "alchemist"
 REPLICA_HEADER = "x-alchemist-replica"
@@ -35,25 +37,24 @@ class ReplicaOptions:
     """What each replica loads and how many replicas run (a fixed count, or autoscaling bounds)."""
 
     model: str
-    backend: str = "c"
-    slots: int = 8
-    context: int = 4096
-    chunk: int = 32
-    max_queue: int = 64
-    full_window: bool = False
+    backend: str = DEFAULTS["backend"]
+    slots: int = DEFAULTS["slots"]
+    context: int = DEFAULTS["context"]
+    chunk: int = DEFAULTS["chunk"]
+    max_queue: int = DEFAULTS["max_queue"]
+    full_window: bool = DEFAULTS["full_window"]
     numerics: str | None = None
     model_id: str | None = None
-    drain: float = 10.0
+    drain: float = DEFAULTS["drain"]
     api_key: str | None = None
     open_health: bool = False
-    host: str = "127.0.0.1"
+    host: str = DEFAULTS["host"]
     allowed_hosts: tuple = ()
     replicas: int = 1
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None
     cpus_per_replica: float = 1.0
-    env: dict = field(default_factory=dict)  # environment variables of the replicas' processes
 
     def check(self) -> None:
         if self.replicas < 1:
@@ -77,7 +78,7 @@ class ReplicaOptions:
             max_ongoing_requests=self.slots + self.max_queue,
             graceful_shutdown_timeout_s=self.drain,
             health_check_period_s=5,
-            ray_actor_options={"num_cpus": self.cpus_per_replica, "runtime_env": {"env_vars": dict(self.env)}},
+            ray_actor_options={"num_cpus": self.cpus_per_replica},
         )
         if self.min_replicas is None:
             options["num_replicas"] = self.replicas
@@ -109,28 +110,23 @@ class _ReplicaHeader:
         await self.app(scope, receive, send_named)
 
 
-def _app_builder(opts: ReplicaOptions, scheduler_factory=None):
-    """The function each replica calls to build its app: load the model, warm the scheduler up, wrap the app.
-    scheduler_factory() -> (scheduler, tokenizer) replaces loading the model (tests)."""
+def _app_builder(opts: ReplicaOptions):
+    """The function each replica calls to build its app: load the model, warm the scheduler up, wrap the app."""
 
     def build():
         from ray import serve
 
         from alchemist.serve.app import create_app
-        from alchemist.serve.startup import build_scheduler
         from alchemist.serve.guard import allowed_hosts_for
 
-        if scheduler_factory is not None:
-            scheduler, tokenizer = scheduler_factory()
-        else:
-            log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - Ray forwards replicas' stderr
-            scheduler, tokenizer = build_scheduler(
-                opts.model, opts.backend, opts.slots, opts.context, opts.chunk, opts.max_queue, opts.full_window,
-                log, opts.numerics,
-            )  # fmt: skip
+        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - Ray forwards replicas' stderr
+        scheduler, tokenizer = build_scheduler(
+            opts.model, opts.backend, opts.slots, opts.context, opts.chunk, opts.max_queue, opts.full_window,
+            log, opts.numerics,
+        )  # fmt: skip
         _REPLICA["scheduler"] = scheduler
         app = create_app(
-            scheduler, tokenizer, opts.model_id or _stem(opts.model), drain_s=opts.drain,
+            scheduler, tokenizer, opts.model_id or Path(opts.model).stem, drain_s=opts.drain,
             api_key=opts.api_key or None, open_health=opts.open_health,
             allowed_hosts=allowed_hosts_for(opts.host, list(opts.allowed_hosts)),
         )  # fmt: skip
@@ -140,13 +136,7 @@ def _app_builder(opts: ReplicaOptions, scheduler_factory=None):
     return build
 
 
-def _stem(path: str) -> str:
-    from pathlib import Path
-
-    return Path(str(path)).stem
-
-
-def application(opts: ReplicaOptions, scheduler_factory=None):
+def application(opts: ReplicaOptions):
     """The Ray Serve application (bound, not yet running): `serve.run(application(opts), route_prefix="/")`."""
     try:
         from ray import serve
@@ -154,7 +144,7 @@ def application(opts: ReplicaOptions, scheduler_factory=None):
         raise AlchemistError(f"--replicas runs on Ray Serve: pip install 'alchemist[ray]' ({e})") from None
 
     @serve.deployment(name=APP_NAME, **opts.deployment_options())
-    @serve.ingress(_app_builder(opts, scheduler_factory))
+    @serve.ingress(_app_builder(opts))
     class AlchemistReplica:
         def check_health(self):
             """Ray restarts a replica whose scheduler thread has stopped (a failed step it could not recover)."""
@@ -165,7 +155,7 @@ def application(opts: ReplicaOptions, scheduler_factory=None):
     return AlchemistReplica.bind()
 
 
-def run(opts: ReplicaOptions, port: int, ray_address: str | None = None, scheduler_factory=None) -> int:
+def run(opts: ReplicaOptions, port: int, ray_address: str | None = None) -> int:
     """Start (or join) Ray, deploy the replicas behind Ray's HTTP proxy on opts.host:port, and serve until
     SIGTERM/SIGINT; then shut the deployment down (each replica drains for up to opts.drain seconds)."""
     opts.check()
@@ -177,7 +167,7 @@ def run(opts: ReplicaOptions, port: int, ray_address: str | None = None, schedul
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
     serve.start(http_options={"host": opts.host, "port": port})
-    serve.run(application(opts, scheduler_factory), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(application(opts), name=APP_NAME, route_prefix="/", blocking=False)
     print(f"alchemist serve: {_describe(opts)} on Ray Serve, listening on http://{opts.host}:{port} "
           f"(OpenAI API under /v1)", file=sys.stderr, flush=True)  # fmt: skip
     stop = threading.Event()

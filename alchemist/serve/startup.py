@@ -7,6 +7,19 @@ import sys
 
 from alchemist.errors import AlchemistError
 
+# a server's settings unless told otherwise (alchemist serve's options, and each Ray Serve replica's)
+DEFAULTS = dict(
+    backend="c",
+    slots=8,
+    context=4096,
+    chunk=32,
+    host="127.0.0.1",
+    port=8080,
+    max_queue=64,
+    drain=10.0,
+    full_window=False,
+)
+
 
 def build_scheduler(model_path, backend, slots, context, chunk, max_queue, full_window, log, numerics=None):
     """Load the model, make its SlotEngine and Scheduler, compile and warm every step shape (a progress bar on
