@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
@@ -87,9 +86,8 @@ def split_products(engine) -> dict:
             continue
         ggml_type, shape = engine.module.TENSORS[name][:2]
         base = QuantizedMatmul(ggml_type, shape[0], shape[1], numerics="ggml")
-        rows = int(os.environ.get("PRODUCT_ROWS", 3))
-        x = rng.standard_normal((rows, shape[1])).astype(np.float32)
-        xv = pt.matrix("x", dtype="float32", shape=(rows, shape[1]))
+        x = rng.standard_normal((3, shape[1])).astype(np.float32)
+        xv = pt.matrix("x", dtype="float32", shape=(3, shape[1]))
         wv = pt.matrix("w", dtype="uint8", shape=w.shape)
         with engine._on_mesh():
             f = pytensor.function([xv, wv], [ShardedQuantizedMatmul(base, split, lay.n)(xv, wv)], mode=engine.mode)
